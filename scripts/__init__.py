@@ -1,0 +1,1 @@
+"""The kit's Python: mod engine, pins, scheduler harness, model lock, bench, report."""

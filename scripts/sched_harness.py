@@ -1,0 +1,341 @@
+"""Drive vLLM's real Scheduler and KV-cache manager for a hybrid model with simulated outputs.
+
+The cache layout is the one a hybrid GDN/Mamba + full-attention model gets in
+``mamba_cache_mode="align"``: one full-attention group and one Mamba group with
+the same physical block size, prefix matching every ``prefix_match_unit``
+tokens. The model runner is replaced by ``StateOracle``, which applies the
+align-mode state placement rule and the scheduler's block copies, so every
+cached Mamba state is known by the exact token prefix that produced it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import (
+    eagle_proof_margin,
+    get_group_id,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+FULL_GROUP = 0
+MAMBA_GROUP = 1
+MAX_MODEL_LEN = 65536
+EOS_TOKEN_ID = 2
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Cache geometry: physical block, match unit, draft tokens (0 = no speculation)."""
+
+    block_size: int
+    unit: int = 16
+    num_spec: int = 0
+    num_blocks: int = 4096
+    token_budget: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.block_size % self.unit:
+            raise ValueError(
+                f"block_size {self.block_size} is not divisible by "
+                f"prefix_match_unit {self.unit}; vLLM requires it"
+            )
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """Where a follow-up would resume, measured group by group.
+
+    ``fa_match``: longest full-attention match without the EAGLE drop;
+    ``fa_eagle``: the same lookup with the drop applied (equal when no
+    speculation); ``mamba``: the Mamba group's own longest state;
+    ``hit``: the reconciled hit the coordinator hands the scheduler.
+    """
+
+    fa_match: int
+    fa_eagle: int
+    mamba: int
+    hit: int
+
+
+@functools.lru_cache(maxsize=4)
+def model_config(model_dir: str) -> ModelConfig:
+    return ModelConfig(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+    )
+
+
+def build_vllm_config(model_dir: Path, geo: Geometry) -> VllmConfig:
+    mc = model_config(str(model_dir))
+    spec = None
+    if geo.num_spec:
+        spec = SpeculativeConfig(
+            method="mtp",
+            num_speculative_tokens=geo.num_spec,
+            target_model_config=mc,
+            target_parallel_config=ParallelConfig(),
+        )
+    return VllmConfig(
+        model_config=mc,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=geo.token_budget,
+            max_model_len=MAX_MODEL_LEN,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+            watermark=0.0,
+        ),
+        cache_config=CacheConfig(
+            block_size=geo.block_size,
+            enable_prefix_caching=True,
+            mamba_cache_mode="align",
+            prefix_match_unit=geo.unit,
+        ),
+        speculative_config=spec,
+    )
+
+
+def kv_cache_config(geo: Geometry) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=geo.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["attn"],
+                FullAttentionSpec(
+                    block_size=geo.block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                ),
+            ),
+            KVCacheGroupSpec(
+                ["gdn"],
+                MambaSpec(
+                    block_size=geo.block_size,
+                    shapes=((1, 1),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="align",
+                    num_speculative_blocks=geo.num_spec,
+                ),
+            ),
+        ],
+    )
+
+
+@dataclass
+class StateOracle:
+    """What a Mamba block holds, as the token prefix that produced it.
+
+    Align mode saves the running state after a step into the request's block
+    ``(end - 1) // block_size``; the scheduler's block copies move states
+    between blocks before the step runs.
+    """
+
+    block_size: int
+    prefix_of_block: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def apply_copies(self, copies) -> None:
+        for copy in copies or ():
+            src = self.prefix_of_block.get(copy.src_block_id)
+            if src is None:
+                self.prefix_of_block.pop(copy.dst_block_id, None)
+            else:
+                self.prefix_of_block[copy.dst_block_id] = src
+
+    def record_step(self, request: Request, mamba_block_ids: list[int], end: int) -> None:
+        block_id = mamba_block_ids[(end - 1) // self.block_size]
+        self.prefix_of_block[block_id] = tuple(request.all_token_ids[:end])
+
+
+@dataclass
+class ResumeRecord:
+    request_id: str
+    hit: int
+    state_prefix: tuple[int, ...] | None
+
+
+class SchedulerRig:
+    """One real Scheduler over a hybrid cache, prompts in, simulated tokens out."""
+
+    def __init__(self, model_dir: Path, geo: Geometry) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        init_none_hash(sha256)
+        self.geo = geo
+        self.vllm_config = build_vllm_config(model_dir, geo)
+        self.kv_cache_config = kv_cache_config(geo)
+        self.vllm_config.cache_config.num_gpu_blocks = geo.num_blocks
+        register_all_kvcache_specs(self.vllm_config)
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=geo.block_size,
+            hash_block_size=geo.unit,
+            log_stats=True,
+        )
+        self.manager = self.scheduler.kv_cache_manager
+        self.coordinator = self.manager.coordinator
+        self.oracle = StateOracle(geo.block_size)
+        self.block_hasher = get_request_block_hasher(geo.unit, sha256)
+        self.resumes: list[ResumeRecord] = []
+        self.chunk_ends: dict[str, list[int]] = {}
+        self._next_id = 0
+
+    # -- requests ---------------------------------------------------------
+    def make_request(self, tokens: list[int], max_tokens: int = 1) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS_TOKEN_ID)
+        self._next_id += 1
+        return Request(
+            request_id=f"r{self._next_id}",
+            prompt_token_ids=list(tokens),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+        )
+
+    # -- measurement ------------------------------------------------------
+    def boundaries(self, tokens: list[int]) -> Boundaries:
+        """Per-group lookups for a prompt, without scheduling it."""
+        request = self.make_request(tokens)
+        max_len = request.num_tokens - 1
+        hashes = request.block_hashes
+        coord = self.coordinator
+        fa_manager = coord.single_type_managers[FULL_GROUP]
+        fa_cls = type(fa_manager)
+
+        def fa_lookup(drop: bool) -> int:
+            if drop:
+                # The coordinator looks one margin past the candidate, then drops.
+                margin = eagle_proof_margin(
+                    fa_manager.block_size,
+                    coord.hash_block_size,
+                    coord.enable_partial_hash_hits
+                    and fa_cls.supports_fine_grained_hash_lookup,
+                )
+                length = min(max_len + margin, len(hashes) * coord.hash_block_size)
+            else:
+                length = max_len
+            _, hit = fa_cls.find_longest_cache_hit(
+                block_hashes=hashes,
+                max_length=length,
+                kv_cache_group_ids=[FULL_GROUP],
+                block_pool=fa_manager.block_pool,
+                kv_cache_spec=fa_manager.kv_cache_spec,
+                drop_eagle_block=drop,
+                alignment_tokens=coord._cache_hit_alignment_tokens,
+                dcp_world_size=1,
+                pcp_world_size=1,
+            )
+            return hit
+
+        mamba_manager = coord.single_type_managers[MAMBA_GROUP]
+        _, mamba_hit = type(mamba_manager).find_longest_cache_hit(
+            block_hashes=hashes,
+            max_length=max_len,
+            kv_cache_group_ids=[MAMBA_GROUP],
+            block_pool=mamba_manager.block_pool,
+            kv_cache_spec=mamba_manager.kv_cache_spec,
+            drop_eagle_block=False,
+            alignment_tokens=coord._cache_hit_alignment_tokens,
+            dcp_world_size=1,
+            pcp_world_size=1,
+        )
+        _, hit, _ = coord.find_longest_cache_hit(hashes, max_len)
+        return Boundaries(
+            fa_match=fa_lookup(False),
+            fa_eagle=fa_lookup(bool(self.geo.num_spec)),
+            mamba=mamba_hit,
+            hit=hit,
+        )
+
+    # -- driving ----------------------------------------------------------
+    def run(self, tokens: list[int], max_tokens: int = 1) -> ResumeRecord:
+        """Submit a prompt, run it to completion, return where it resumed from."""
+        request = self.make_request(tokens, max_tokens)
+        self.scheduler.add_request(request)
+        record: ResumeRecord | None = None
+        ends: list[int] = []
+        for _ in range(10_000):
+            if request.is_finished():
+                break
+            out = self.scheduler.schedule()
+            self.oracle.apply_copies(out.kv_cache_block_copies)
+            sampled: list[list[int]] = []
+            for new in out.scheduled_new_reqs:
+                if new.req_id == request.request_id:
+                    record = self._resume_record(request, new.num_computed_tokens)
+            for req_id in out.num_scheduled_tokens:
+                req = self.scheduler.requests[req_id]
+                # schedule() has already advanced num_computed_tokens.
+                end = req.num_computed_tokens
+                mamba_ids = self.manager.get_block_ids(req_id)[MAMBA_GROUP]
+                if end <= req.num_prompt_tokens:
+                    self.oracle.record_step(req, mamba_ids, end)
+                    ends.append(end)
+                sampled.append([7] if end >= req.num_tokens else [])
+            ids = list(out.num_scheduled_tokens)
+            runner_out = ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                sampled_token_ids=sampled,
+                logprobs=None,
+                prompt_logprobs_dict={},
+                pooler_output=[],
+            )
+            self.scheduler.update_from_output(out, runner_out)
+        else:
+            raise RuntimeError(f"request {request.request_id} did not finish")
+        assert record is not None
+        self.chunk_ends[request.request_id] = ends
+        self.resumes.append(record)
+        return record
+
+    def _resume_record(self, req: Request, hit: int) -> ResumeRecord:
+        prefix = None
+        if hit:
+            mamba_ids = self.manager.get_block_ids(req.request_id)[MAMBA_GROUP]
+            prefix = self.oracle.prefix_of_block.get(mamba_ids[(hit - 1) // self.geo.block_size])
+        return ResumeRecord(req.request_id, hit, prefix)
+
+    # -- metadata ---------------------------------------------------------
+    def cached_entries(self) -> dict[int, int]:
+        """Number of cached block-hash entries per group in the block pool."""
+        counts = {FULL_GROUP: 0, MAMBA_GROUP: 0}
+        pool = self.manager.block_pool
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                counts[get_group_id(block.block_hash)] += 1
+        return counts
