@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from vllm.config import (
     CacheConfig,
     ModelConfig,
@@ -181,9 +180,20 @@ class StateOracle:
 
 @dataclass
 class ResumeRecord:
+    """Where a request resumed (``hit``), the state it resumed from, how it ended."""
+
     request_id: str
     hit: int
     state_prefix: tuple[int, ...] | None
+    prompt: tuple[int, ...] = ()
+    output: tuple[int, ...] = ()
+    final_computed: int = 0
+
+    def resumed_from_own_prefix(self) -> bool:
+        """The state oracle's verdict: the state is exactly the first ``hit`` prompt tokens."""
+        if self.hit == 0:
+            return True
+        return self.state_prefix == self.prompt[: self.hit]
 
 
 class SchedulerRig:
@@ -211,7 +221,24 @@ class SchedulerRig:
         self.block_hasher = get_request_block_hasher(geo.unit, sha256)
         self.resumes: list[ResumeRecord] = []
         self.chunk_ends: dict[str, list[int]] = {}
+        self.partial_entries: list[tuple[str, int, int]] = []
         self._next_id = 0
+        self._count_partial_entries()
+
+    def _count_partial_entries(self) -> None:
+        """Record every partial (sub-block) entry the pool registers, per request."""
+        pool = self.manager.block_pool
+        register = pool.cache_partial_block
+
+        def counted(request, block, num_tokens, kv_cache_group_id, *args, **kwargs):
+            key = register(request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
+            if key is not None:
+                self.partial_entries.append(
+                    (request.request_id, kv_cache_group_id, num_tokens)
+                )
+            return key
+
+        pool.cache_partial_block = counted
 
     # -- requests ---------------------------------------------------------
     def make_request(self, tokens: list[int], max_tokens: int = 1) -> Request:
@@ -302,10 +329,10 @@ class SchedulerRig:
                 # schedule() has already advanced num_computed_tokens.
                 end = req.num_computed_tokens
                 mamba_ids = self.manager.get_block_ids(req_id)[MAMBA_GROUP]
+                self.oracle.record_step(req, mamba_ids, end)
                 if end <= req.num_prompt_tokens:
-                    self.oracle.record_step(req, mamba_ids, end)
                     ends.append(end)
-                sampled.append([7] if end >= req.num_tokens else [])
+                sampled.append([self.reply_token(req)] if end >= req.num_tokens else [])
             ids = list(out.num_scheduled_tokens)
             runner_out = ModelRunnerOutput(
                 req_ids=ids,
@@ -319,6 +346,9 @@ class SchedulerRig:
         else:
             raise RuntimeError(f"request {request.request_id} did not finish")
         assert record is not None
+        record.prompt = tuple(request.prompt_token_ids)
+        record.output = tuple(request.output_token_ids)
+        record.final_computed = request.num_computed_tokens
         self.chunk_ends[request.request_id] = ends
         self.resumes.append(record)
         return record
@@ -329,6 +359,18 @@ class SchedulerRig:
             mamba_ids = self.manager.get_block_ids(req.request_id)[MAMBA_GROUP]
             prefix = self.oracle.prefix_of_block.get(mamba_ids[(hit - 1) // self.geo.block_size])
         return ResumeRecord(req.request_id, hit, prefix)
+
+    @staticmethod
+    def reply_token(req: Request) -> int:
+        """Deterministic simulated sample: distinct per position, never EOS."""
+        return 3000 + req.num_tokens % 997
+
+    def partial_entries_of(self, request_id: str, group: int) -> list[int]:
+        """Distinct sub-block positions a request registered in a group."""
+        return sorted({
+            n for rid, g, n in self.partial_entries
+            if rid == request_id and g == group and n % self.geo.block_size
+        })
 
     # -- metadata ---------------------------------------------------------
     def cached_entries(self) -> dict[int, int]:

@@ -1,0 +1,107 @@
+"""Where a follow-up should resume, derived from the geometry alone.
+
+An independent model of vLLM 0.32.0's documented prefix-cache rules for one
+producer A (N = S + U tokens) followed by B (S shared tokens), with the scheduler
+budget larger than the prompt. It does not import vLLM: the suite compares the
+real scheduler against these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    block: int  # B_phys
+    unit: int  # H
+    num_spec: int  # k; 0 = no speculative decoding
+    shared: int  # S
+    tail: int  # U, the producer's unique tail
+
+    @property
+    def eagle(self) -> bool:
+        return self.num_spec > 0
+
+    @property
+    def producer_len(self) -> int:
+        return self.shared + self.tail
+
+    @property
+    def ideal(self) -> int:
+        """Best possible resume: the last shared hash boundary, less EAGLE's unit."""
+        base = self.shared // self.unit * self.unit
+        return max(base - self.unit, 0) if self.eagle else base
+
+    @property
+    def heuristic_covers(self) -> bool:
+        """The predecessor-hash formula: U < 2H - (S mod H) (EAGLE), U <= H - (S mod H) (none)."""
+        r = self.shared % self.unit
+        if self.eagle:
+            return self.tail < 2 * self.unit - r
+        return self.tail <= self.unit - r
+
+
+@dataclass(frozen=True)
+class Expected:
+    chunk_ends: tuple[int, ...]
+    fa_match: int
+    fa_eagle: int
+    hit: int
+    fa_partials: tuple[int, ...]
+    mamba_partials: tuple[int, ...]
+
+
+def _checkpoints(case: Case, patched: bool) -> tuple[int, int, int]:
+    """(last block checkpoint, tail checkpoint, predecessor checkpoint) for A."""
+    n, b, h = case.producer_len, case.block, case.unit
+    if case.eagle:
+        last_block = max(n // b * b - b, 0)
+        tail = max(n // h * h - h, 0)
+        pred = max(tail - h, 0) if patched else 0
+    else:
+        last_block = (n - 1) // b * b
+        tail = (n - 1) // h * h
+        pred = 0
+    return last_block, tail, pred
+
+
+def producer_chunk_ends(case: Case, patched: bool) -> tuple[int, ...]:
+    n, b = case.producer_len, case.block
+    last_block, tail, pred = _checkpoints(case, patched)
+    stops = [last_block]
+    stops += [p for p in (tail, pred) if last_block < p < n]
+    ends, start = [], 0
+    while start < n:
+        inside = [s for s in stops if start < s < n]
+        if start % b:
+            next_boundary = (start // b + 1) * b
+            if next_boundary < n:
+                inside.append(next_boundary)
+        end = min(inside, default=n)
+        ends.append(end)
+        start = end
+    return tuple(ends)
+
+
+def fa_partials(case: Case, patched: bool) -> tuple[int, ...]:
+    n, b, h = case.producer_len, case.block, case.unit
+    tail = (n if case.eagle else n - 1) // h * h
+    wanted = [tail] + ([tail - h] if case.eagle and patched else [])
+    return tuple(p for p in wanted if p > 0 and p % b)
+
+
+def expected(case: Case, patched: bool) -> Expected:
+    b, h, s = case.block, case.unit, case.shared
+    ends = producer_chunk_ends(case, patched)
+    _, tail, pred = _checkpoints(case, patched)
+    mamba_partials = tuple(p for p in (tail, pred) if p in ends and p % b)
+    # Mamba states A leaves behind: block-aligned chunk ends and its checkpoints.
+    states = {e for e in ends if e % b == 0 and e < case.producer_len} | set(mamba_partials)
+    base = s // h * h
+    block_floor = s // b * b
+    partial = [p for p in fa_partials(case, patched) if block_floor < p <= base]
+    fa = max(partial, default=block_floor)
+    fa_eagle = max(fa - h, 0) if case.eagle and fa else fa
+    hit = max((p for p in states if p <= fa_eagle), default=0)
+    return Expected(ends, fa, fa_eagle, hit, fa_partials(case, patched), mamba_partials)

@@ -1,0 +1,81 @@
+"""Exact-geometry regression suite: producer A, then follow-up B, on vLLM's real scheduler.
+
+For each case the expected numbers come from ``geometry_model`` (the geometry
+alone). Cases where unpatched 0.32.0 and the fix differ carry ``fixed_by_mod``:
+strict expected failures on the unpatched tree.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.sched_harness import Geometry, SchedulerRig
+from tests.regression.cases import all_cases
+from tests.regression.geometry_model import Case, expected
+
+pytestmark = pytest.mark.cpu
+
+CONTEXT_BASE = 100  # token ids of the shared context: 100, 101, ...
+PROBE_TOKEN = 13  # the "." of a context-load probe
+FOLLOW_UP_LEN = 48
+
+
+def prompts(case: Case) -> tuple[list[int], list[int]]:
+    context = list(range(CONTEXT_BASE, CONTEXT_BASE + case.shared))
+    producer_tail = [PROBE_TOKEN] + list(range(3001, 3000 + case.tail))
+    follow_up = context + list(range(5000, 5000 + FOLLOW_UP_LEN))
+    return context + producer_tail[: case.tail], follow_up
+
+
+def run_case(model_dir, case: Case) -> tuple[SchedulerRig, object, object, object]:
+    rig = SchedulerRig(model_dir, Geometry(block_size=case.block, unit=case.unit,
+                                           num_spec=case.num_spec))
+    a_tokens, b_tokens = prompts(case)
+    a = rig.run(a_tokens)
+    bounds = rig.boundaries(b_tokens)
+    b = rig.run(b_tokens)
+    return rig, a, b, bounds
+
+
+def _regressed(case: Case) -> bool:
+    return expected(case, patched=False).hit < case.ideal
+
+
+ALL = [pytest.param(case, id=case_id) for case_id, case in all_cases()]
+COVERED = [
+    pytest.param(case, id=case_id, marks=[pytest.mark.fixed_by_mod] if _regressed(case) else [])
+    for case_id, case in all_cases()
+    if case.heuristic_covers
+]
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_boundaries_match_geometry(tiny_model_dir, tree_is_patched: bool, case: Case) -> None:
+    """FA match, EAGLE rewind, Mamba replay point and B's resume, as the geometry predicts."""
+    want = expected(case, patched=tree_is_patched)
+    rig, a, b, bounds = run_case(tiny_model_dir, case)
+    # 1. the full-attention match boundary for B
+    assert bounds.fa_match == want.fa_match
+    # 2. the EAGLE rewind: exactly one unit below that match
+    if case.eagle and bounds.fa_match:
+        assert bounds.fa_eagle == bounds.fa_match - case.unit
+    else:
+        assert bounds.fa_eagle == bounds.fa_match
+    # 3. where A materialised Mamba state, where B resumes, how far B computed
+    assert rig.chunk_ends[a.request_id] == list(want.chunk_ends)
+    assert b.hit == bounds.hit == want.hit
+    assert rig.chunk_ends[b.request_id][-1] == len(b.prompt)
+    assert b.final_computed >= len(b.prompt)
+    # 4. no stale state: B resumes from a state made by exactly its first `hit` tokens
+    assert b.resumed_from_own_prefix(), (b.hit, b.state_prefix and len(b.state_prefix))
+    # 5. per prompt, partial entries are the ones the geometry names and no more
+    assert sorted(rig.partial_entries_of(a.request_id, 0)) == sorted(want.fa_partials)
+    assert sorted(rig.partial_entries_of(a.request_id, 1)) == sorted(want.mamba_partials)
+
+
+@pytest.mark.parametrize("case", COVERED)
+def test_follow_up_reaches_ideal(tiny_model_dir, case: Case) -> None:
+    """Where U < 2H - (S mod H) (EAGLE), B resumes at floor(S/H)*H - H."""
+    _, _, b, _ = run_case(tiny_model_dir, case)
+    assert b.hit == case.ideal
+    assert b.resumed_from_own_prefix()
