@@ -38,8 +38,12 @@ def tree_dir(name: str) -> Path:
 
 def _wanted_stamp(source: Path, name: str, target: str) -> dict:
     version, _ = mods.tree_version(source)
-    wanted = {"source": str(source), "vllm_version": version,
-              "source_init_mtime": os.stat(source / "__init__.py").st_mtime_ns, "mods": []}
+    wanted = {
+        "source": str(source),
+        "vllm_version": version,
+        "source_init_mtime": os.stat(source / "__init__.py").st_mtime_ns,
+        "mods": [],
+    }
     if name == "patched":
         wanted["mods"] = [[m.name, m.patch_sha256] for m in mods.mods_for_target(target)]
     return wanted
@@ -49,8 +53,7 @@ def _hardlink_copy(source: Path, dest: Path) -> None:
     def link(src: str, dst: str) -> None:
         os.link(src, dst)
 
-    shutil.copytree(source, dest, copy_function=link,
-                    ignore=shutil.ignore_patterns(mods.LOCK_NAME))
+    shutil.copytree(source, dest, copy_function=link, ignore=shutil.ignore_patterns(mods.LOCK_NAME))
 
 
 def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> Path:
@@ -80,8 +83,9 @@ def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", default="cpu", choices=mods.TARGETS)
-    parser.add_argument("--print-path", choices=TREE_NAMES,
-                        help="only print the PYTHONPATH entry for this tree")
+    parser.add_argument(
+        "--print-path", choices=TREE_NAMES, help="only print the PYTHONPATH entry for this tree"
+    )
     args = parser.parse_args(argv)
     try:
         if args.print_path:
@@ -89,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for name in TREE_NAMES:
             path = ensure_tree(name, args.target)
-            print(f"{name:10s} {path}  ({len(mods.read_provenance(path)['mods'])} mods, "
-                  f"pins {pins.file_sha256()[:12]})")
+            print(
+                f"{name:10s} {path}  ({len(mods.read_provenance(path)['mods'])} mods, "
+                f"pins {pins.file_sha256()[:12]})"
+            )
     except mods.ModError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

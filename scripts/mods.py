@@ -127,8 +127,11 @@ def available(mods_dir: Path = MODS_DIR) -> list[str]:
 def mods_for_target(target: str, mods_dir: Path = MODS_DIR) -> list[Mod]:
     if target not in TARGETS:
         raise ModError(f"unknown target {target!r}; use one of {TARGETS}")
-    return [m for m in map(lambda n: load_mod(n, mods_dir), available(mods_dir))
-            if target in m.manifest["targets"]]
+    return [
+        m
+        for m in map(lambda n: load_mod(n, mods_dir), available(mods_dir))
+        if target in m.manifest["targets"]
+    ]
 
 
 # -- the vLLM tree --------------------------------------------------------------
@@ -194,7 +197,9 @@ def _locked(tree: Path) -> Iterator[None]:
     try:
         fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
     except OSError as exc:
-        raise ModError(f"{tree}: cannot create {LOCK_NAME} ({exc.strerror}); is it read-only?") from exc
+        raise ModError(
+            f"{tree}: cannot create {LOCK_NAME} ({exc.strerror}); is it read-only?"
+        ) from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -229,8 +234,10 @@ def _commit(tree: Path, contents: dict[str, str]) -> None:
     except OSError as exc:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
-        raise ModError(f"{tree}: cannot write ({exc.strerror}: {exc.filename}); "
-                       "is the tree read-only? Nothing was changed") from exc
+        raise ModError(
+            f"{tree}: cannot write ({exc.strerror}: {exc.filename}); "
+            "is the tree read-only? Nothing was changed"
+        ) from exc
     originals = {target: target.read_bytes() for _, target in staged}
     done: list[Path] = []
     try:
@@ -263,8 +270,11 @@ def read_provenance(tree: Path) -> dict:
 def _write_provenance(tree: Path, applied: list[Mod], removed: list[str]) -> None:
     version, commit = tree_version(tree)
     record = read_provenance(tree)
-    keep = [m for m in record.get("mods", []) if m["name"] not in removed
-            and m["name"] not in {a.name for a in applied}]
+    keep = [
+        m
+        for m in record.get("mods", [])
+        if m["name"] not in removed and m["name"] not in {a.name for a in applied}
+    ]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     keep += [{"name": m.name, "patch_sha256": m.patch_sha256, "applied_at": now} for m in applied]
     record = {
@@ -334,20 +344,26 @@ def _select(args: argparse.Namespace) -> list[Mod]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for cmd, text in (("list", "mods and their state against a tree"),
-                      ("check", "dry run; exit 0 applies, 10 already applied, 20 drift"),
-                      ("apply", "apply the named mods atomically"),
-                      ("revert", "revert the named mods atomically")):
+    for cmd, text in (
+        ("list", "mods and their state against a tree"),
+        ("check", "dry run; exit 0 applies, 10 already applied, 20 drift"),
+        ("apply", "apply the named mods atomically"),
+        ("revert", "revert the named mods atomically"),
+    ):
         p = sub.add_parser(cmd, help=text)
         p.add_argument("mods", nargs="*", help="mod names (default for list: all)")
         p.add_argument("--tree", type=Path, required=True, help="the 'vllm' package directory")
         p.add_argument("--target", choices=TARGETS, help="all mods for this image target")
         if cmd in ("apply", "revert"):
-            p.add_argument("--force", action="store_true",
-                           help="apply even if the tree's vLLM version differs from the mod's pin")
+            p.add_argument(
+                "--force",
+                action="store_true",
+                help="apply even if the tree's vLLM version differs from the mod's pin",
+            )
     args = parser.parse_args(argv)
     tree = args.tree.resolve()
     try:
@@ -357,8 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             selected = mods_for_target(args.target) if args.target else [load_mod(n) for n in names]
             print(f"tree: {tree} (vLLM {version})")
             for mod in selected:
-                print(f"{mod.name:28s} {state(mod, tree).value:24s} "
-                      f"targets={','.join(mod.manifest['targets'])}  {mod.manifest['summary']}")
+                print(
+                    f"{mod.name:28s} {state(mod, tree).value:24s} "
+                    f"targets={','.join(mod.manifest['targets'])}  {mod.manifest['summary']}"
+                )
             return 0
         if args.cmd == "check":
             tree_version(tree)

@@ -44,6 +44,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from scripts.geometry_cases import prompts
+from scripts.geometry_model import Case
+
 FULL_GROUP = 0
 MAMBA_GROUP = 1
 MAX_MODEL_LEN = 65536
@@ -233,9 +236,7 @@ class SchedulerRig:
         def counted(request, block, num_tokens, kv_cache_group_id, *args, **kwargs):
             key = register(request, block, num_tokens, kv_cache_group_id, *args, **kwargs)
             if key is not None:
-                self.partial_entries.append(
-                    (request.request_id, kv_cache_group_id, num_tokens)
-                )
+                self.partial_entries.append((request.request_id, kv_cache_group_id, num_tokens))
             return key
 
         pool.cache_partial_block = counted
@@ -269,8 +270,7 @@ class SchedulerRig:
                 margin = eagle_proof_margin(
                     fa_manager.block_size,
                     coord.hash_block_size,
-                    coord.enable_partial_hash_hits
-                    and fa_cls.supports_fine_grained_hash_lookup,
+                    coord.enable_partial_hash_hits and fa_cls.supports_fine_grained_hash_lookup,
                 )
                 length = min(max_len + margin, len(hashes) * coord.hash_block_size)
             else:
@@ -367,10 +367,13 @@ class SchedulerRig:
 
     def partial_entries_of(self, request_id: str, group: int) -> list[int]:
         """Distinct sub-block positions a request registered in a group."""
-        return sorted({
-            n for rid, g, n in self.partial_entries
-            if rid == request_id and g == group and n % self.geo.block_size
-        })
+        return sorted(
+            {
+                n
+                for rid, g, n in self.partial_entries
+                if rid == request_id and g == group and n % self.geo.block_size
+            }
+        )
 
     # -- metadata ---------------------------------------------------------
     def cached_entries(self) -> dict[int, int]:
@@ -381,3 +384,33 @@ class SchedulerRig:
             if block.block_hash is not None:
                 counts[get_group_id(block.block_hash)] += 1
         return counts
+
+
+def run_case(
+    model_dir: Path, case: Case
+) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
+    """Run producer A to completion, measure B's per-group boundaries, then run B."""
+    rig = SchedulerRig(
+        model_dir, Geometry(block_size=case.block, unit=case.unit, num_spec=case.num_spec)
+    )
+    a_tokens, b_tokens = prompts(case)
+    a = rig.run(a_tokens)
+    bounds = rig.boundaries(b_tokens)
+    b = rig.run(b_tokens)
+    return rig, a, b, bounds
+
+
+def cache_geometry(rig: SchedulerRig) -> dict[str, object]:
+    """Block sizes, page sizes and block counts as the real scheduler and manager hold them."""
+    coord = rig.coordinator
+    return {
+        "scheduler_block_size": rig.scheduler.block_size,
+        "hash_block_size": rig.scheduler.hash_block_size,
+        "coordinator_block_size": coord.scheduler_block_size,
+        "group_block_sizes": [m.block_size for m in coord.single_type_managers],
+        "page_sizes": [
+            g.kv_cache_spec.page_size_bytes for g in rig.kv_cache_config.kv_cache_groups
+        ],
+        "num_blocks": rig.manager.block_pool.num_gpu_blocks,
+        "partial_hash_hits": coord.enable_partial_hash_hits,
+    }

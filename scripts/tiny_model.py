@@ -72,7 +72,9 @@ def write_tiny_model(out_dir: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--out", type=Path, default=Path(".models/tiny-qwen3-next"),
+        "--out",
+        type=Path,
+        default=Path(".models/tiny-qwen3-next"),
         help="directory to write config.json into (default: %(default)s)",
     )
     args = parser.parse_args(argv)

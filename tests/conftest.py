@@ -62,12 +62,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     patched = "fix-eagle-fine-prefix" in tree_mods()
     for item in items:
         if item.get_closest_marker("gpu") and not has_gpu():
-            item.add_marker(pytest.mark.skip(reason="needs a GPU (gb10 or strix); none on this machine"))
+            item.add_marker(
+                pytest.mark.skip(reason="needs a GPU (gb10 or strix); none on this machine")
+            )
         if item.get_closest_marker("container") and shutil.which("buildah") is None:
             item.add_marker(pytest.mark.skip(reason="needs buildah (apt install buildah)"))
         if item.get_closest_marker("fixed_by_mod") and not patched:
-            item.add_marker(pytest.mark.xfail(
-                strict=True, reason="regression measured on unpatched vLLM 0.32.0"))
+            item.add_marker(
+                pytest.mark.xfail(
+                    strict=True, reason="regression measured on unpatched vLLM 0.32.0"
+                )
+            )
 
 
 @pytest.fixture(scope="session")

@@ -9,32 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.sched_harness import Geometry, SchedulerRig
-from tests.regression.cases import all_cases
-from tests.regression.geometry_model import Case, expected
+from scripts.geometry_cases import all_cases
+from scripts.geometry_model import Case, expected
+from scripts.sched_harness import run_case
 
 pytestmark = pytest.mark.cpu
-
-CONTEXT_BASE = 100  # token ids of the shared context: 100, 101, ...
-PROBE_TOKEN = 13  # the "." of a context-load probe
-FOLLOW_UP_LEN = 48
-
-
-def prompts(case: Case) -> tuple[list[int], list[int]]:
-    context = list(range(CONTEXT_BASE, CONTEXT_BASE + case.shared))
-    producer_tail = [PROBE_TOKEN] + list(range(3001, 3000 + case.tail))
-    follow_up = context + list(range(5000, 5000 + FOLLOW_UP_LEN))
-    return context + producer_tail[: case.tail], follow_up
-
-
-def run_case(model_dir, case: Case) -> tuple[SchedulerRig, object, object, object]:
-    rig = SchedulerRig(model_dir, Geometry(block_size=case.block, unit=case.unit,
-                                           num_spec=case.num_spec))
-    a_tokens, b_tokens = prompts(case)
-    a = rig.run(a_tokens)
-    bounds = rig.boundaries(b_tokens)
-    b = rig.run(b_tokens)
-    return rig, a, b, bounds
 
 
 def _regressed(case: Case) -> bool:

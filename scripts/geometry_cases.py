@@ -1,8 +1,8 @@
-"""The geometries the suite runs: every combination the regression issue names."""
+"""The geometries the regression suite and `make regress` run, and their prompts."""
 
 from __future__ import annotations
 
-from tests.regression.geometry_model import Case
+from scripts.geometry_model import Case
 
 UNIT = 16
 BLOCKS = (64, 384, 2144)
@@ -27,3 +27,16 @@ def all_cases() -> list[tuple[str, Case]]:
                         case = Case(block, UNIT, k, anchor + r, tail)
                         out.append((f"B{block}-{where}-S{case.shared}-r{r}-k{k}-U{tail}", case))
     return out
+
+
+CONTEXT_BASE = 100  # token ids of the shared context: 100, 101, ...
+PROBE_TOKEN = 13  # the "." of a context-load probe
+FOLLOW_UP_LEN = 48
+
+
+def prompts(case: Case) -> tuple[list[int], list[int]]:
+    """Producer A (context + probe tail) and follow-up B (context + a different turn)."""
+    context = list(range(CONTEXT_BASE, CONTEXT_BASE + case.shared))
+    producer_tail = [PROBE_TOKEN] + list(range(3001, 3000 + case.tail))
+    follow_up = context + list(range(5000, 5000 + FOLLOW_UP_LEN))
+    return context + producer_tail[: case.tail], follow_up

@@ -1,0 +1,201 @@
+"""`make regress`: measure every geometry on the unpatched and the patched tree, report both.
+
+Each tree is measured in its own process (vLLM can be imported once per
+process). Results: a terminal table, ``regression.json`` and ``regression.md``
+under ``results/regression/``. Exit status 1 when the patched tree misses an
+expectation or does worse than the unpatched one anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from scripts import cpu_env, mods, pins
+from scripts.geometry_cases import all_cases
+from scripts.geometry_model import Case, expected
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "results" / "regression"
+
+
+def measure(model_dir: Path) -> dict:
+    """Run in a process whose ``vllm`` is the tree under test."""
+    import vllm
+
+    from scripts.sched_harness import cache_geometry, run_case
+
+    rows = {}
+    geometry = {}
+    for case_id, case in all_cases():
+        rig, a, b, bounds = run_case(model_dir, case)
+        rows[case_id] = {
+            "a_chunk_ends": rig.chunk_ends[a.request_id],
+            "fa_match": bounds.fa_match,
+            "fa_eagle": bounds.fa_eagle,
+            "hit": b.hit,
+            "state_ok": b.resumed_from_own_prefix(),
+            "fa_partials": rig.partial_entries_of(a.request_id, 0),
+            "mamba_partials": rig.partial_entries_of(a.request_id, 1),
+        }
+        geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
+    return {"vllm_file": vllm.__file__, "rows": rows, "geometry": geometry}
+
+
+def _measure_tree(name: str, model_dir: Path) -> dict:
+    tree = cpu_env.ensure_tree(name)
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{tree.parent}{os.pathsep}{ROOT}",
+        HF_HUB_OFFLINE="1",
+        VLLM_LOGGING_LEVEL="ERROR",
+    )
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "scripts.regress",
+                "measure",
+                "--model",
+                str(model_dir),
+                "--out",
+                out.name,
+            ],
+            check=True,
+            env=env,
+            cwd=ROOT,
+        )
+        data = json.loads(Path(out.name).read_text())
+    if not data["vllm_file"].startswith(str(tree)):
+        raise RuntimeError(f"{name}: measured {data['vllm_file']}, not the tree {tree}")
+    data["provenance"] = mods.read_provenance(tree)
+    return data
+
+
+def verdict(case: Case, unpatched: int, patched: int, want: int) -> str:
+    if patched != want:
+        return "UNEXPECTED"
+    if patched < unpatched:
+        return "WORSE"
+    if unpatched < case.ideal <= patched:
+        return "fixed"
+    if patched == case.ideal:
+        return "ok"
+    return "known loss"
+
+
+def build_report(unpatched: dict, patched: dict) -> dict:
+    rows = []
+    for case_id, case in all_cases():
+        u, p = unpatched["rows"][case_id], patched["rows"][case_id]
+        want = expected(case, patched=True)
+        rows.append(
+            {
+                "case": case_id,
+                "B_phys": case.block,
+                "S": case.shared,
+                "S_mod_H": case.shared % case.unit,
+                "k": case.num_spec,
+                "U": case.tail,
+                "ideal": case.ideal,
+                "heuristic_covers": case.heuristic_covers,
+                "expected": want.hit,
+                "expected_unpatched": expected(case, patched=False).hit,
+                "unpatched": u["hit"],
+                "patched": p["hit"],
+                "unpatched_fa": [u["fa_match"], u["fa_eagle"]],
+                "patched_fa": [p["fa_match"], p["fa_eagle"]],
+                "state_ok": u["state_ok"] and p["state_ok"],
+                "verdict": verdict(case, u["hit"], p["hit"], want.hit)
+                if u["state_ok"] and p["state_ok"]
+                else "STALE STATE",
+            }
+        )
+    return {
+        "unit": all_cases()[0][1].unit,
+        "rows": rows,
+        "summary": dict(Counter(r["verdict"] for r in rows)),
+        "geometry_identical": unpatched["geometry"] == patched["geometry"],
+        "geometry": patched["geometry"],
+        "provenance": {
+            "unpatched": unpatched["provenance"],
+            "patched": patched["provenance"],
+            "pins_sha256": pins.file_sha256(),
+            "vllm_version": pins.get("vllm.version"),
+        },
+    }
+
+
+COLUMNS = ("case", "ideal", "unpatched", "patched", "heuristic_covers", "verdict")
+
+
+def render_markdown(report: dict) -> str:
+    from tabulate import tabulate
+
+    lines = [
+        "# Regression: follow-up resume under EAGLE/MTP, vLLM "
+        f"{report['provenance']['vllm_version']}",
+        "",
+        f"H = {report['unit']}. `ideal` = floor(S/H)*H, less H under EAGLE (k > 0). "
+        "`heuristic_covers` = U < 2H - (S mod H) under EAGLE.",
+        "",
+        f"Summary: {report['summary']}; cache geometry identical across trees: "
+        f"{report['geometry_identical']}.",
+        "",
+        tabulate(
+            [[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS, tablefmt="github"
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd")
+    m = sub.add_parser("measure", help="(internal) measure the tree this process imports")
+    m.add_argument("--model", type=Path, required=True)
+    m.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="where regression.json/.md go (default: %(default)s)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    args = parser.parse_args(argv)
+    if args.cmd == "measure":
+        args.out.write_text(json.dumps(measure(args.model)))
+        return 0
+
+    from tabulate import tabulate
+
+    from scripts.tiny_model import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "tiny")
+        unpatched = _measure_tree("unpatched", model_dir)
+        patched = _measure_tree("patched", model_dir)
+    report = build_report(unpatched, patched)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "regression.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out_dir / "regression.md").write_text(render_markdown(report))
+    if not args.quiet:
+        print(tabulate([[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS))
+    print(f"summary: {report['summary']}  geometry identical: {report['geometry_identical']}")
+    print(f"wrote {args.out_dir / 'regression.json'} and regression.md")
+    bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
+    return 1 if bad or not report["geometry_identical"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

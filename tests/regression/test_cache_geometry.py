@@ -1,0 +1,43 @@
+"""The fix changes metadata only: block sizes, page sizes and block counts are untouched.
+
+Both trees run this module against the same expected values, so passing on both
+means the geometry is identical with and without the mod.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.geometry_cases import BLOCKS, NUM_SPEC, UNIT
+from scripts.mods import load_mod
+from scripts.sched_harness import Geometry, SchedulerRig, cache_geometry
+
+pytestmark = pytest.mark.cpu
+
+NUM_BLOCKS = 4096
+FP32 = 4
+
+
+@pytest.mark.parametrize("num_spec", NUM_SPEC)
+@pytest.mark.parametrize("block", BLOCKS)
+def test_geometry_as_configured(tiny_model_dir, block: int, num_spec: int) -> None:
+    rig = SchedulerRig(
+        tiny_model_dir,
+        Geometry(block_size=block, unit=UNIT, num_spec=num_spec, num_blocks=NUM_BLOCKS),
+    )
+    assert cache_geometry(rig) == {
+        "scheduler_block_size": block,
+        "hash_block_size": UNIT,
+        "coordinator_block_size": block,
+        "group_block_sizes": [block, block],
+        # K and V of one fp32 head of size 1 per token; one fp32 Mamba state per block.
+        "page_sizes": [2 * block * FP32, FP32],
+        "num_blocks": NUM_BLOCKS,
+        "partial_hash_hits": True,
+    }
+
+
+def test_fix_does_not_touch_cache_sizing() -> None:
+    """The files that size the KV cache stay out of the mod."""
+    sizing = {"v1/core/kv_cache_utils.py", "config/cache.py", "v1/worker/gpu_model_runner.py"}
+    assert not sizing & set(load_mod("fix-eagle-fine-prefix").manifest["files"])

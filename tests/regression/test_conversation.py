@@ -1,0 +1,88 @@
+"""Multi-turn consumers of a cached prompt: continuation, exact resend, long conversations."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.sched_harness import FULL_GROUP, MAMBA_GROUP, Geometry, SchedulerRig
+
+pytestmark = pytest.mark.cpu
+
+UNIT = 16
+REPLY_TOKENS = 6
+
+
+def continuation_hit(prev_prompt_len: int, eagle: bool) -> int:
+    """A continuation resumes at the previous prompt's checkpoint.
+
+    EAGLE: full attention holds ``floor(N/H)*H``, the drop lands one unit lower
+    where Mamba state exists. Without EAGLE: ``floor((N-1)/H)*H``.
+    """
+    if eagle:
+        return prev_prompt_len // UNIT * UNIT - UNIT
+    return (prev_prompt_len - 1) // UNIT * UNIT
+
+
+def user_message(turn: int, length: int) -> list[int]:
+    return [20_000 + 100 * turn + i for i in range(length)]
+
+
+def converse(rig: SchedulerRig, system_len: int, turns: int, user_len: int):
+    prompt = list(range(100, 100 + system_len)) + user_message(0, user_len)
+    records = []
+    for turn in range(turns):
+        record = rig.run(prompt, max_tokens=REPLY_TOKENS)
+        records.append(record)
+        prompt = prompt + list(record.output) + user_message(turn + 1, user_len)
+    return records
+
+
+@pytest.mark.parametrize("num_spec", [0, 1, 3])
+@pytest.mark.parametrize("user_len", [9, 15, 16])
+def test_four_turns(tiny_model_dir, num_spec: int, user_len: int) -> None:
+    """Each turn appends the reply and a user message; every turn resumes at the last one's tail."""
+    # 1000-token system prompt, replies and messages stay inside one 2144 block.
+    rig = SchedulerRig(tiny_model_dir, Geometry(block_size=2144, unit=UNIT, num_spec=num_spec))
+    records = converse(rig, system_len=1000, turns=4, user_len=user_len)
+    assert records[0].hit == 0
+    for prev, cur in zip(records, records[1:], strict=False):
+        assert len(prev.output) == REPLY_TOKENS
+        assert cur.prompt[: len(prev.prompt)] == prev.prompt
+        assert cur.hit == continuation_hit(len(prev.prompt), eagle=num_spec > 0)
+        assert cur.resumed_from_own_prefix()
+
+
+@pytest.mark.parametrize("num_spec", [0, 1])
+@pytest.mark.parametrize("prompt_len", [1000, 1007, 1023, 1024])
+def test_exact_resend(tiny_model_dir, num_spec: int, prompt_len: int) -> None:
+    """An identical resend reads the producer's tail entries too; the fix must not cost it."""
+    rig = SchedulerRig(tiny_model_dir, Geometry(block_size=2144, unit=UNIT, num_spec=num_spec))
+    prompt = list(range(100, 100 + prompt_len))
+    rig.run(prompt)
+    resend = rig.run(prompt)
+    if num_spec:
+        assert resend.hit == prompt_len // UNIT * UNIT - UNIT
+    else:
+        assert resend.hit == (prompt_len - 1) // UNIT * UNIT
+    assert resend.resumed_from_own_prefix()
+
+
+# Sub-block entries one prompt may register, per group, with the fix (without: 1).
+MAX_PARTIAL_ENTRIES_PER_PROMPT = 2
+
+
+@pytest.mark.parametrize("num_spec", [1, 3])
+@pytest.mark.parametrize("block", [384, 2144])
+def test_twenty_turns_bounded_metadata(tiny_model_dir, tree_is_patched, num_spec, block) -> None:
+    """Partial entries per prompt stay within a constant however long the conversation grows."""
+    rig = SchedulerRig(tiny_model_dir, Geometry(block_size=block, unit=UNIT, num_spec=num_spec))
+    records = converse(rig, system_len=block - 300, turns=20, user_len=31)
+    bound = MAX_PARTIAL_ENTRIES_PER_PROMPT if tree_is_patched else 1
+    lengths = [len(r.prompt) for r in records]
+    assert lengths[0] < block < lengths[-1]  # the conversation crosses a physical block
+    for record in records:
+        for group in (FULL_GROUP, MAMBA_GROUP):
+            assert len(rig.partial_entries_of(record.request_id, group)) <= bound
+        assert record.resumed_from_own_prefix()
+    for prev, cur in zip(records, records[1:], strict=False):
+        assert cur.hit == continuation_hit(len(prev.prompt), eagle=True)
