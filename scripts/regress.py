@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "results" / "regression"
 
 
-def measure(model_dir: Path) -> dict:
+def measure(model_dir: Path, fix: bool) -> dict:
     """Run in a process whose ``vllm`` is the tree under test."""
     import vllm
 
@@ -34,7 +34,7 @@ def measure(model_dir: Path) -> dict:
     rows = {}
     geometry = {}
     for case_id, case in all_cases():
-        rig, a, b, bounds = run_case(model_dir, case)
+        rig, a, b, bounds = run_case(model_dir, case, fix=fix)
         rows[case_id] = {
             "a_chunk_ends": rig.chunk_ends[a.request_id],
             "fa_match": bounds.fa_match,
@@ -67,6 +67,7 @@ def _measure_tree(name: str, model_dir: Path) -> dict:
                 str(model_dir),
                 "--out",
                 out.name,
+                *(["--fix"] if name == "patched" else []),
             ],
             check=True,
             env=env,
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("measure", help="(internal) measure the tree this process imports")
     m.add_argument("--model", type=Path, required=True)
     m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--fix", action="store_true", help="turn on the patched tree's switch")
     parser.add_argument(
         "--out-dir",
         type=Path,
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     args = parser.parse_args(argv)
     if args.cmd == "measure":
-        args.out.write_text(json.dumps(measure(args.model)))
+        args.out.write_text(json.dumps(measure(args.model, args.fix)))
         return 0
 
     from tabulate import tabulate

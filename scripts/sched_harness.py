@@ -50,6 +50,7 @@ from scripts.geometry_model import Case
 FULL_GROUP = 0
 MAMBA_GROUP = 1
 MAX_MODEL_LEN = 65536
+PREDECESSOR_FIELD = "enable_mamba_eagle_predecessor_checkpoint"
 EOS_TOKEN_ID = 2
 
 
@@ -62,6 +63,8 @@ class Geometry:
     num_spec: int = 0
     num_blocks: int = 4096
     token_budget: int = 8192
+    # fix-eagle-fine-prefix's run-time switch; only the patched tree accepts it.
+    predecessor_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size % self.unit:
@@ -123,6 +126,7 @@ def build_vllm_config(model_dir: Path, geo: Geometry) -> VllmConfig:
             enable_prefix_caching=True,
             mamba_cache_mode="align",
             prefix_match_unit=geo.unit,
+            **({PREDECESSOR_FIELD: True} if geo.predecessor_checkpoint else {}),
         ),
         speculative_config=spec,
     )
@@ -387,11 +391,20 @@ class SchedulerRig:
 
 
 def run_case(
-    model_dir: Path, case: Case
+    model_dir: Path, case: Case, fix: bool = False
 ) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
-    """Run producer A to completion, measure B's per-group boundaries, then run B."""
+    """Run producer A to completion, measure B's per-group boundaries, then run B.
+
+    ``fix`` turns on the patched tree's switch; on the unpatched tree it fails loudly.
+    """
     rig = SchedulerRig(
-        model_dir, Geometry(block_size=case.block, unit=case.unit, num_spec=case.num_spec)
+        model_dir,
+        Geometry(
+            block_size=case.block,
+            unit=case.unit,
+            num_spec=case.num_spec,
+            predecessor_checkpoint=fix,
+        ),
     )
     a_tokens, b_tokens = prompts(case)
     a = rig.run(a_tokens)

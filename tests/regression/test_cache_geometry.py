@@ -38,6 +38,12 @@ def test_geometry_as_configured(tiny_model_dir, block: int, num_spec: int) -> No
 
 
 def test_fix_does_not_touch_cache_sizing() -> None:
-    """The files that size the KV cache stay out of the mod."""
-    sizing = {"v1/core/kv_cache_utils.py", "config/cache.py", "v1/worker/gpu_model_runner.py"}
+    """The modules that size the KV cache and its pages stay out of the mod."""
+    sizing = {
+        "v1/core/kv_cache_utils.py",
+        "v1/kv_cache_spec_utils.py",
+        "platforms/interface.py",
+        "v1/worker/gpu_model_runner.py",
+        "v1/worker/cpu_model_runner.py",
+    }
     assert not sizing & set(load_mod("fix-eagle-fine-prefix").manifest["files"])

@@ -12,6 +12,10 @@ UNIT = 16
 REPLY_TOKENS = 6
 
 
+def geometry(block: int, num_spec: int, fix: bool) -> Geometry:
+    return Geometry(block_size=block, unit=UNIT, num_spec=num_spec, predecessor_checkpoint=fix)
+
+
 def continuation_hit(prev_prompt_len: int, eagle: bool) -> int:
     """A continuation resumes at the previous prompt's checkpoint.
 
@@ -39,10 +43,10 @@ def converse(rig: SchedulerRig, system_len: int, turns: int, user_len: int):
 
 @pytest.mark.parametrize("num_spec", [0, 1, 3])
 @pytest.mark.parametrize("user_len", [9, 15, 16])
-def test_four_turns(tiny_model_dir, num_spec: int, user_len: int) -> None:
+def test_four_turns(tiny_model_dir, tree_is_patched, num_spec: int, user_len: int) -> None:
     """Each turn appends the reply and a user message; every turn resumes at the last one's tail."""
     # 1000-token system prompt, replies and messages stay inside one 2144 block.
-    rig = SchedulerRig(tiny_model_dir, Geometry(block_size=2144, unit=UNIT, num_spec=num_spec))
+    rig = SchedulerRig(tiny_model_dir, geometry(2144, num_spec, tree_is_patched))
     records = converse(rig, system_len=1000, turns=4, user_len=user_len)
     assert records[0].hit == 0
     for prev, cur in zip(records, records[1:], strict=False):
@@ -54,9 +58,9 @@ def test_four_turns(tiny_model_dir, num_spec: int, user_len: int) -> None:
 
 @pytest.mark.parametrize("num_spec", [0, 1])
 @pytest.mark.parametrize("prompt_len", [1000, 1007, 1023, 1024])
-def test_exact_resend(tiny_model_dir, num_spec: int, prompt_len: int) -> None:
+def test_exact_resend(tiny_model_dir, tree_is_patched, num_spec: int, prompt_len: int) -> None:
     """An identical resend reads the producer's tail entries too; the fix must not cost it."""
-    rig = SchedulerRig(tiny_model_dir, Geometry(block_size=2144, unit=UNIT, num_spec=num_spec))
+    rig = SchedulerRig(tiny_model_dir, geometry(2144, num_spec, tree_is_patched))
     prompt = list(range(100, 100 + prompt_len))
     rig.run(prompt)
     resend = rig.run(prompt)
@@ -75,7 +79,7 @@ MAX_PARTIAL_ENTRIES_PER_PROMPT = 2
 @pytest.mark.parametrize("block", [384, 2144])
 def test_twenty_turns_bounded_metadata(tiny_model_dir, tree_is_patched, num_spec, block) -> None:
     """Partial entries per prompt stay within a constant however long the conversation grows."""
-    rig = SchedulerRig(tiny_model_dir, Geometry(block_size=block, unit=UNIT, num_spec=num_spec))
+    rig = SchedulerRig(tiny_model_dir, geometry(block, num_spec, tree_is_patched))
     records = converse(rig, system_len=block - 300, turns=20, user_len=31)
     bound = MAX_PARTIAL_ENTRIES_PER_PROMPT if tree_is_patched else 1
     lengths = [len(r.prompt) for r in records]

@@ -32,7 +32,7 @@ COVERED = [
 def test_boundaries_match_geometry(tiny_model_dir, tree_is_patched: bool, case: Case) -> None:
     """FA match, EAGLE rewind, Mamba replay point and B's resume, as the geometry predicts."""
     want = expected(case, patched=tree_is_patched)
-    rig, a, b, bounds = run_case(tiny_model_dir, case)
+    rig, a, b, bounds = run_case(tiny_model_dir, case, fix=tree_is_patched)
     # 1. the full-attention match boundary for B
     assert bounds.fa_match == want.fa_match
     # 2. the EAGLE rewind: exactly one unit below that match
@@ -53,8 +53,23 @@ def test_boundaries_match_geometry(tiny_model_dir, tree_is_patched: bool, case: 
 
 
 @pytest.mark.parametrize("case", COVERED)
-def test_follow_up_reaches_ideal(tiny_model_dir, case: Case) -> None:
+def test_follow_up_reaches_ideal(tiny_model_dir, tree_is_patched: bool, case: Case) -> None:
     """Where U < 2H - (S mod H) (EAGLE), B resumes at floor(S/H)*H - H."""
-    _, _, b, _ = run_case(tiny_model_dir, case)
+    _, _, b, _ = run_case(tiny_model_dir, case, fix=tree_is_patched)
     assert b.hit == case.ideal
     assert b.resumed_from_own_prefix()
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_patched_tree_with_switch_off_is_unpatched(
+    tiny_model_dir, tree_is_patched: bool, case: Case
+) -> None:
+    """The mod is inert unless its switch is on: same chunks, entries and hits as 0.32.0."""
+    if not tree_is_patched:
+        pytest.skip("the unpatched tree is this baseline; test_boundaries_match_geometry covers it")
+    want = expected(case, patched=False)
+    rig, a, b, bounds = run_case(tiny_model_dir, case, fix=False)
+    assert rig.chunk_ends[a.request_id] == list(want.chunk_ends)
+    assert (bounds.fa_match, b.hit) == (want.fa_match, want.hit)
+    assert rig.partial_entries_of(a.request_id, 0) == sorted(want.fa_partials)
+    assert rig.partial_entries_of(a.request_id, 1) == sorted(want.mamba_partials)
