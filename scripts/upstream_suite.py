@@ -1,0 +1,196 @@
+"""`make upstream-suite`: vLLM's own tests/v1/core/prefix_cache against both trees.
+
+The tests come from the pinned release's source distribution on PyPI (sha256
+checked). The patched tree must pass every case the unpatched tree passes.
+Two cases need a GPU and a hub model (Qwen/Qwen3.5-0.8B) and are deselected
+with that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from scripts import cpu_env, pins
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache"
+SUITE = "tests/v1/core/prefix_cache"
+NEEDS_GPU_AND_HUB = (
+    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py::"
+    "test_prefix_cache_hit_rate[base]",
+    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py::"
+    "test_prefix_cache_hit_rate[mtp]",
+)
+
+
+class SuiteError(RuntimeError):
+    pass
+
+
+def sdist_path(explicit: Path | None = None) -> Path:
+    """The pinned sdist: an explicit file, a wheelhouse copy, or a download, sha256-checked."""
+    version = pins.get("vllm.version")
+    want = pins.get("vllm.sdist_sha256")
+    name = f"vllm-{version}.tar.gz"
+    candidates = [explicit] if explicit else []
+    if os.environ.get("KIT_WHEELHOUSE"):
+        candidates.append(Path(os.environ["KIT_WHEELHOUSE"]) / name)
+    candidates.append(CACHE / name)
+    for path in candidates:
+        if path and path.is_file():
+            if _sha256(path) != want:
+                raise SuiteError(f"{path}: sha256 differs from pins.toml; delete it and retry")
+            return path
+    CACHE.mkdir(exist_ok=True)
+    target = CACHE / name
+    partial = target.with_suffix(".part")
+    print(f"downloading {pins.get('vllm.sdist_url')}", file=sys.stderr)
+    with (
+        urllib.request.urlopen(pins.get("vllm.sdist_url"), timeout=120) as resp,
+        partial.open("wb") as out,
+    ):
+        shutil.copyfileobj(resp, out)
+    if _sha256(partial) != want:
+        partial.unlink()
+        raise SuiteError("downloaded sdist does not match vllm.sdist_sha256 in pins.toml")
+    partial.replace(target)
+    return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def extract_tests(sdist: Path) -> Path:
+    """Unpack only ``tests/`` once; a stamp names the sdist it came from."""
+    dest = CACHE / f"vllm-{pins.get('vllm.version')}-tests"
+    stamp = dest / ".kit-stamp"
+    if stamp.is_file() and stamp.read_text() == pins.get("vllm.sdist_sha256"):
+        return dest
+    build = dest.with_name(dest.name + ".building")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    prefix = f"vllm-{pins.get('vllm.version')}/"
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            if member.name.startswith(prefix + "tests/") and (member.isfile() or member.isdir()):
+                member.name = member.name[len(prefix) :]
+                members.append(member)
+        tar.extractall(build, members=members, filter="data")
+    # Our pyproject's strict pytest settings must not apply to upstream's tests.
+    (build / "pytest.ini").write_text("[pytest]\n")
+    stamp_tmp = build / ".kit-stamp"
+    stamp_tmp.write_text(pins.get("vllm.sdist_sha256"))
+    shutil.rmtree(dest, ignore_errors=True)
+    build.replace(dest)
+    return dest
+
+
+def _start(tree_name: str, tests_dir: Path, out_dir: Path) -> tuple[subprocess.Popen, Path]:
+    tree = cpu_env.ensure_tree(tree_name)
+    junit = out_dir / f"upstream-{tree_name}.xml"
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{tree.parent}{os.pathsep}{tests_dir}",
+        HF_HUB_OFFLINE="1",
+        VLLM_LOGGING_LEVEL="ERROR",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        SUITE,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore",
+        "-c",
+        str(tests_dir / "pytest.ini"),
+        "--rootdir",
+        str(tests_dir),
+        f"--junitxml={junit}",
+    ]
+    cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
+    log = (out_dir / f"upstream-{tree_name}.log").open("w")
+    return subprocess.Popen(
+        cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT
+    ), junit
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    result = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        result[name] = (
+            "failed"
+            if kinds & {"failure", "error"}
+            else "skipped"
+            if "skipped" in kinds
+            else "passed"
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sdist", type=Path, help="use this vllm sdist instead of downloading")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "results" / "upstream-suite")
+    args = parser.parse_args(argv)
+    try:
+        tests_dir = extract_tests(sdist_path(args.sdist))
+    except (SuiteError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    # Both trees at once: one core each.
+    runs = {name: _start(name, tests_dir, args.out_dir) for name in cpu_env.TREE_NAMES}
+    for proc, _ in runs.values():
+        proc.wait()
+    results = {name: outcomes(junit) for name, (_, junit) in runs.items()}
+    unpatched, patched = results["unpatched"], results["patched"]
+    lost = sorted(n for n, o in unpatched.items() if o == "passed" and patched.get(n) != "passed")
+    summary = {
+        name: {k: list(r.values()).count(k) for k in ("passed", "failed", "skipped")}
+        for name, r in results.items()
+    }
+    report = {
+        "suite": SUITE,
+        "deselected_needs_gpu_and_hub": list(NEEDS_GPU_AND_HUB),
+        "summary": summary,
+        "passed_unpatched_not_patched": lost,
+    }
+    (args.out_dir / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
+    for name, counts in summary.items():
+        print(f"{name:10s} {counts}")
+    print(f"deselected (need a GPU and Qwen/Qwen3.5-0.8B): {len(NEEDS_GPU_AND_HUB)}")
+    if lost:
+        print("patched tree fails cases the unpatched tree passes:\n  " + "\n  ".join(lost))
+        return 1
+    if summary["unpatched"]["passed"] == 0:
+        print("no upstream case passed on the unpatched tree; the suite did not run")
+        return 1
+    print("patched tree passes every case the unpatched tree passes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
