@@ -1,0 +1,44 @@
+# The kit's entry points. `make help` lists them. Pins come from pins.toml only.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV_PY := .venv/bin/python
+TREES := unpatched patched
+
+.PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model clean
+
+help: ## list the targets with one line each
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | \
+	  awk 'BEGIN {FS = ":.*## "}; {printf "  %-20s %s\n", $$1, $$2}'
+
+setup: ## create .venv with the pinned CPU vLLM and torch, and the unpatched/patched trees
+	$(PYTHON) -m scripts.setup_env
+
+test: setup lint ## everything CI runs: lint, the suite on both trees, vLLM's own prefix-cache suite
+	@for tree in $(TREES); do \
+	  echo "== pytest on the $$tree tree"; \
+	  KIT_TREE=$$tree $(VENV_PY) -m pytest -q -p no:cacheprovider || exit 1; \
+	done
+	$(VENV_PY) -m scripts.upstream_suite
+
+test-cpu: test ## alias: the CPU target's tests
+
+lint: setup ## ruff over the kit's Python
+	$(VENV_PY) -m ruff check scripts tests
+	$(VENV_PY) -m ruff format --check scripts tests
+
+mods-list: setup ## the mods and their state against both trees
+	@for tree in $(TREES); do $(VENV_PY) -m scripts.mods list --tree .trees/$$tree/vllm; done
+
+regress: setup ## geometry table, unpatched vs patched, JSON + Markdown under results/regression
+	$(VENV_PY) -m scripts.regress
+
+upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees
+	$(VENV_PY) -m scripts.upstream_suite
+
+tiny-model: setup ## write the tiny random-weight Qwen3-Next config to .models/tiny-qwen3-next
+	$(VENV_PY) -m scripts.tiny_model --out .models/tiny-qwen3-next
+
+clean: ## remove the trees, caches and build outputs (keeps .venv and results/)
+	rm -rf .trees .cache .models .pytest_cache

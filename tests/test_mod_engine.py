@@ -1,0 +1,198 @@
+"""The mod engine against a real installed vLLM 0.32.0 tree (a hard-linked copy of .venv's)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import cpu_env, mods
+
+pytestmark = pytest.mark.cpu
+
+MOD = "fix-eagle-fine-prefix"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def digest(tree: Path, files: list[str]) -> dict[str, str]:
+    return {f: hashlib.sha256((tree / f).read_bytes()).hexdigest() for f in files}
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write by rename so the venv's hard-linked original is never touched."""
+    tmp = path.with_name(path.name + ".test-tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@pytest.fixture()
+def tree(tmp_path: Path) -> Path:
+    dest = tmp_path / "site" / "vllm"
+    cpu_env._hardlink_copy(cpu_env.venv_vllm(), dest)
+    return dest
+
+
+@pytest.fixture()
+def mod() -> mods.Mod:
+    return mods.load_mod(MOD)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.mods", *args], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+def test_apply_revert_roundtrip(tree: Path, mod: mods.Mod) -> None:
+    files = mod.manifest["files"]
+    before = digest(tree, files)
+    source_before = digest(cpu_env.venv_vllm(), files)
+    assert mods.state(mod, tree) is mods.State.APPLIES
+    assert mods.apply(tree, [mod]) == [f"{MOD}: applied"]
+    assert mods.state(mod, tree) is mods.State.APPLIED
+    assert digest(tree, files) != before
+    # The hard-linked source of the copy is untouched.
+    assert digest(cpu_env.venv_vllm(), files) == source_before
+    record = json.loads(mods.provenance_path(tree).read_text())
+    assert record["vllm_version"] == "0.32.0"
+    assert [(m["name"], m["patch_sha256"]) for m in record["mods"]] == [(MOD, mod.patch_sha256)]
+    # Applying again is a no-op that says so.
+    assert mods.apply(tree, [mod]) == [f"{MOD}: already applied, nothing to do"]
+    assert mods.revert(tree, [mod]) == [f"{MOD}: reverted"]
+    assert digest(tree, files) == before
+    assert mods.read_provenance(tree)["mods"] == []
+    assert mods.revert(tree, [mod]) == [f"{MOD}: not applied, nothing to do"]
+
+
+def test_patched_sources_compile(tree: Path, mod: mods.Mod) -> None:
+    mods.apply(tree, [mod])
+    for rel in mod.manifest["files"]:
+        compile((tree / rel).read_text(), str(tree / rel), "exec")
+
+
+def test_check_exit_codes(tree: Path) -> None:
+    assert cli("check", MOD, "--tree", str(tree)).returncode == 0
+    assert cli("apply", MOD, "--tree", str(tree)).returncode == 0
+    done = cli("check", MOD, "--tree", str(tree))
+    assert done.returncode == 10 and "already applied" in done.stdout
+    listing = cli("list", "--tree", str(tree))
+    assert listing.returncode == 0 and MOD in listing.stdout and "already applied" in listing.stdout
+
+
+def test_drift_names_mod_file_and_hunk_and_changes_nothing(tree: Path, mod: mods.Mod) -> None:
+    files = mod.manifest["files"]
+    last = tree / files[-1]
+    # Damage the last file a hunk needs, so earlier files would apply cleanly.
+    text = last.read_text().replace(
+        "def is_mamba_prefill_checkpoint_valid(", "def mamba_prefill_checkpoint_is_valid(", 1
+    )
+    replace_file(last, text)
+    before = digest(tree, files)
+    assert mods.state(mod, tree) is mods.State.DRIFT
+    with pytest.raises(mods.ModError) as err:
+        mods.apply(tree, [mod])
+    message = str(err.value)
+    assert MOD in message and files[-1] in message and "hunk #1" in message
+    assert digest(tree, files) == before
+    assert not mods.provenance_path(tree).exists()
+    out = cli("check", MOD, "--tree", str(tree))
+    assert out.returncode == 20 and "drift" in out.stdout
+
+
+def test_refuses_other_vllm_version_unless_forced(tree: Path, mod: mods.Mod) -> None:
+    version_file = tree / "_version.py"
+    replace_file(version_file, version_file.read_text().replace("'0.32.0'", "'0.33.0'"))
+    with pytest.raises(mods.ModError, match=r"made for vLLM 0\.32\.0.*is vLLM 0\.33\.0"):
+        mods.apply(tree, [mod])
+    assert mods.state(mod, tree) is mods.State.APPLIES
+    assert mods.apply(tree, [mod], force=True) == [f"{MOD}: applied"]
+
+
+def test_unknown_mod(tree: Path) -> None:
+    with pytest.raises(mods.ModError, match=f"unknown mod 'nope'; known mods: .*{MOD}"):
+        mods.load_mod("nope")
+    out = cli("apply", "nope", "--tree", str(tree))
+    assert out.returncode == 2 and "unknown mod" in out.stderr
+
+
+def test_not_a_vllm_tree(tmp_path: Path, mod: mods.Mod) -> None:
+    (tmp_path / "__init__.py").write_text("")
+    with pytest.raises(mods.ModError, match="is not a vLLM package directory"):
+        mods.apply(tmp_path, [mod])
+    assert cli("check", MOD, "--tree", str(tmp_path)).returncode == 2
+
+
+def _copy_mod(tmp_path: Path) -> Path:
+    mods_dir = tmp_path / "mods"
+    shutil.copytree(ROOT / "mods" / MOD, mods_dir / MOD)
+    return mods_dir
+
+
+def test_malformed_manifest(tmp_path: Path) -> None:
+    mods_dir = _copy_mod(tmp_path)
+    (mods_dir / MOD / "mod.toml").write_text('name = "fix-eagle-fine-prefix"\nsummary = \n')
+    with pytest.raises(mods.ModError, match=r"malformed manifest .*mod\.toml.*line 2"):
+        mods.load_mod(MOD, mods_dir)
+
+
+def test_manifest_missing_key_and_wrong_files(tmp_path: Path) -> None:
+    mods_dir = _copy_mod(tmp_path)
+    manifest = mods_dir / MOD / "mod.toml"
+    text = manifest.read_text()
+    manifest.write_text(text.replace('vllm_version = "0.32.0"\n', ""))
+    with pytest.raises(mods.ModError, match="needs 'vllm_version'"):
+        mods.load_mod(MOD, mods_dir)
+    manifest.write_text(text.replace('  "config/cache.py",\n', ""))
+    with pytest.raises(mods.ModError, match="manifest lists files"):
+        mods.load_mod(MOD, mods_dir)
+
+
+def test_patch_that_breaks_syntax_is_refused(tmp_path: Path, tree: Path) -> None:
+    mods_dir = _copy_mod(tmp_path)
+    patch = mods_dir / MOD / "mod.patch"
+    patch.write_text(
+        patch.read_text().replace(
+            "+        predecessor_boundary = get_mamba_eagle_predecessor_position(",
+            "+        predecessor_boundary = get_mamba_eagle_predecessor_position((",
+            1,
+        )
+    )
+    broken = mods.load_mod(MOD, mods_dir)
+    before = digest(tree, broken.manifest["files"])
+    with pytest.raises(mods.ModError, match="does not compile"):
+        mods.apply(tree, [broken])
+    assert digest(tree, broken.manifest["files"]) == before
+
+
+def test_second_apply_racing_the_first_is_refused(tree: Path, mod: mods.Mod) -> None:
+    with open(tree / mods.LOCK_NAME, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(mods.ModBusy, match="another mod apply/revert"):
+            mods.apply(tree, [mod])
+        out = cli("apply", MOD, "--tree", str(tree))
+        assert out.returncode == 3
+    assert mods.state(mod, tree) is mods.State.APPLIES
+
+
+def test_read_only_target_changes_nothing(tree: Path, mod: mods.Mod) -> None:
+    files = mod.manifest["files"]
+    before = digest(tree, files)
+    frozen = tree / files[-1]
+    # Root ignores permission bits; the immutable attribute binds root too.
+    locked = subprocess.run(["chattr", "+i", str(frozen.parent)], capture_output=True)
+    if locked.returncode != 0:
+        pytest.skip(f"cannot make a directory immutable here: {locked.stderr.decode().strip()}")
+    try:
+        with pytest.raises(mods.ModError, match="read-only"):
+            mods.apply(tree, [mod])
+    finally:
+        subprocess.run(["chattr", "-i", str(frozen.parent)], check=True)
+    assert digest(tree, files) == before
+    assert not list(tree.rglob("*.kit-tmp"))
