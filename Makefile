@@ -6,7 +6,8 @@ PYTHON ?= python3.11
 VENV_PY := .venv/bin/python
 TREES := unpatched patched
 
-.PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model clean
+.PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model bench clean \
+  lock-models fetch-models verify-models export-models import-models
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -31,6 +32,8 @@ lint: setup ## ruff over the kit's Python
 mods-list: setup ## the mods and their state against both trees
 	@for tree in $(TREES); do $(VENV_PY) -m scripts.mods list --tree .trees/$$tree/vllm; done
 
+bench: regress ## the main job on the CPU default (today: the geometry comparison)
+
 regress: setup ## geometry table, unpatched vs patched, JSON + Markdown under results/regression
 	$(VENV_PY) -m scripts.regress
 
@@ -39,6 +42,28 @@ upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees
 
 tiny-model: setup ## write the tiny random-weight Qwen3-Next config to .models/tiny-qwen3-next
 	$(VENV_PY) -m scripts.tiny_model --out .models/tiny-qwen3-next
+
+# MODEL=<key or repo> narrows the model targets to one entry of models.lock;
+# TARGET=gb10|strix to the entries a target uses; MODELS_TAR names the tarball.
+MODEL ?=
+TARGET ?=
+MODELS_TAR ?= models-export.tar.gz
+MODEL_SEL = $(if $(MODEL),--model $(MODEL)) $(if $(TARGET),--target $(TARGET))
+
+lock-models: setup ## (online) resolve models.lock revisions to commits, record sizes and sha256
+	$(VENV_PY) -m scripts.models lock $(if $(MODEL),--model $(MODEL))
+
+fetch-models: setup ## (online) download exactly the locked files into the model store
+	$(VENV_PY) -m scripts.models fetch $(MODEL_SEL)
+
+verify-models: setup ## (offline) check the store against models.lock; FULL=1 hashes every file
+	$(VENV_PY) -m scripts.models verify $(MODEL_SEL) $(if $(FULL),--full)
+
+export-models: setup ## (offline) write the store as $(MODELS_TAR) for an air-gapped machine
+	$(VENV_PY) -m scripts.models export $(MODEL_SEL) $(MODELS_TAR)
+
+import-models: setup ## (offline) unpack $(MODELS_TAR) into the store and verify it
+	$(VENV_PY) -m scripts.models import $(MODEL_SEL) $(MODELS_TAR)
 
 clean: ## remove the trees, caches and build outputs (keeps .venv and results/)
 	rm -rf .trees .cache .models .pytest_cache

@@ -50,8 +50,14 @@ def healthy(want: dict) -> bool:
     except json.JSONDecodeError:
         return False
     probe = subprocess.run(
-        [str(PY), "-c", "import torch, tabulate, pytest; import importlib.util as u; "
-         "assert u.find_spec('vllm')"], capture_output=True)
+        [
+            str(PY),
+            "-c",
+            "import torch, tabulate, pytest; import importlib.util as u; "
+            "assert u.find_spec('vllm')",
+        ],
+        capture_output=True,
+    )
     return probe.returncode == 0
 
 
@@ -65,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild .venv even if it looks fine")
     args = parser.parse_args(argv)
     if sys.version_info[:2] != (3, 11):
-        print(f"error: needs Python 3.11 (found {sys.version.split()[0]}); "
-              "run with python3.11", file=sys.stderr)
+        print(
+            f"error: needs Python 3.11 (found {sys.version.split()[0]}); run with python3.11",
+            file=sys.stderr,
+        )
         return 2
     pins = tomllib.loads((ROOT / "pins.toml").read_text())
     want = {"requirements": requirements(pins), "python": sys.version.split()[0]}
