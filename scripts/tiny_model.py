@@ -34,8 +34,9 @@ TINY_CONFIG: dict = {
         "partial_rotary_factor": 0.25,
     },
     "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
+    # vLLM's CPU GDN kernel only takes the real model's head size.
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "num_experts": 4,

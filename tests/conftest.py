@@ -1,8 +1,9 @@
 """Pick the vLLM tree under test before anything imports vLLM, and gate tests by need.
 
 ``KIT_TREE=unpatched|patched`` (default ``patched``) puts ``.trees/<name>`` first
-on ``sys.path``. Markers: ``cpu`` (runs here), ``container`` (needs buildah),
-``gpu`` (needs an accelerator; skipped with a reason on CPU machines).
+on ``sys.path``; ``KIT_TREE=installed`` (the images) uses the installed vllm.
+Markers: ``cpu`` (runs here), ``container`` (needs buildah), ``gpu`` (needs an
+accelerator; skipped with a reason on CPU machines).
 ``fixed_by_mod`` marks cases that encode the measured regression: on the
 unpatched tree they are strict expected failures, so a regression that starts
 passing unpatched fails the run.
@@ -28,6 +29,12 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 def _select_tree() -> Path | None:
     from scripts import cpu_env
+
+    if TREE == "installed":
+        # Inside the kit's images: the image's own vllm, patched or not.
+        from scripts.image_provenance import installed_vllm
+
+        return installed_vllm()
 
     try:
         path = cpu_env.ensure_tree(TREE)

