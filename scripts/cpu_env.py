@@ -1,5 +1,9 @@
 """Make the two vLLM trees of the CPU environment: unpatched and patched.
 
+"unpatched" is the pinned vLLM plus the target's enablement mods (cpu:
+cpu-mamba-align-spec, which only lets MTP run with align mode on the CPU);
+"patched" adds the fix under test. The two differ by the fix alone.
+
 Both are hard-linked copies of the ``vllm`` package in ``.venv`` (cheap: only
 files a mod rewrites get new inodes, because the engine replaces files by
 rename). A stamp records what each tree was made from; a missing or stale stamp
@@ -44,8 +48,7 @@ def _wanted_stamp(source: Path, name: str, target: str) -> dict:
         "source_init_mtime": os.stat(source / "__init__.py").st_mtime_ns,
         "mods": [],
     }
-    if name == "patched":
-        wanted["mods"] = [[m.name, m.patch_sha256] for m in mods.mods_for_target(target)]
+    wanted["mods"] = [[m.name, m.patch_sha256] for m in mods.mods_for_target(target, name)]
     return wanted
 
 
@@ -72,8 +75,9 @@ def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> P
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
     _hardlink_copy(source, build / "vllm")
-    if name == "patched":
-        mods.apply(build / "vllm", mods.mods_for_target(target))
+    stage_mods = mods.mods_for_target(target, name)
+    if stage_mods:
+        mods.apply(build / "vllm", stage_mods)
     (build / STAMP).write_text(json.dumps(wanted, indent=2) + "\n")
     shutil.rmtree(home, ignore_errors=True)
     os.replace(build, home)

@@ -22,7 +22,7 @@ STAGES = ("unpatched", "patched")
 def build_args(target: str) -> dict[str, str]:
     args = pins.build_args(target)
     args["KIT_MODS"] = ",".join(
-        f"{m.name}@{m.patch_sha256[:16]}" for m in mods.mods_for_target(target)
+        f"{m.name}@{m.patch_sha256[:16]}" for m in mods.mods_for_target(target, "patched")
     )
     return args
 

@@ -40,6 +40,7 @@ REQUIRED_KEYS = {
     "targets": list,
 }
 TARGETS = ("cpu", "gb10", "strix")
+STAGES = ("unpatched", "patched")
 
 
 class ModError(RuntimeError):
@@ -99,6 +100,11 @@ def load_mod(name: str, mods_dir: Path = MODS_DIR) -> Mod:
     bad = set(manifest["targets"]) - set(TARGETS)
     if bad:
         raise ModError(f"mod {name}: unknown targets {sorted(bad)}; use {TARGETS}")
+    # Which tree/image stages get the mod: the fix under test only "patched";
+    # platform enablement both, so the two stages differ by the fix alone.
+    manifest.setdefault("stages", ["patched"])
+    if not manifest["stages"] or set(manifest["stages"]) - set(STAGES):
+        raise ModError(f"mod {name}: stages must be a non-empty subset of {STAGES}")
     patch_path = directory / "mod.patch"
     if not patch_path.is_file():
         raise ModError(f"mod {name}: {patch_path} is missing")
@@ -124,14 +130,14 @@ def available(mods_dir: Path = MODS_DIR) -> list[str]:
     return sorted(p.name for p in mods_dir.iterdir() if (p / "mod.toml").is_file())
 
 
-def mods_for_target(target: str, mods_dir: Path = MODS_DIR) -> list[Mod]:
+def mods_for_target(target: str, stage: str = "patched", mods_dir: Path = MODS_DIR) -> list[Mod]:
+    """The mods an image target's stage gets, in name order."""
     if target not in TARGETS:
         raise ModError(f"unknown target {target!r}; use one of {TARGETS}")
-    return [
-        m
-        for m in map(lambda n: load_mod(n, mods_dir), available(mods_dir))
-        if target in m.manifest["targets"]
-    ]
+    if stage not in STAGES:
+        raise ModError(f"unknown stage {stage!r}; use one of {STAGES}")
+    loaded = [load_mod(n, mods_dir) for n in available(mods_dir)]
+    return [m for m in loaded if target in m.manifest["targets"] and stage in m.manifest["stages"]]
 
 
 # -- the vLLM tree --------------------------------------------------------------
@@ -337,7 +343,7 @@ def revert(tree: Path, mods: list[Mod], force: bool = False) -> list[str]:
 # -- CLI ----------------------------------------------------------------------
 def _select(args: argparse.Namespace) -> list[Mod]:
     if args.target:
-        return mods_for_target(args.target)
+        return mods_for_target(args.target, args.stage)
     if not args.mods:
         raise ModError("name at least one mod, or pass --target cpu|gb10|strix")
     return [load_mod(n) for n in args.mods]
@@ -358,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("mods", nargs="*", help="mod names (default for list: all)")
         p.add_argument("--tree", type=Path, required=True, help="the 'vllm' package directory")
         p.add_argument("--target", choices=TARGETS, help="all mods for this image target")
+        p.add_argument(
+            "--stage",
+            choices=STAGES,
+            default="patched",
+            help="with --target: the mods of this stage (default: %(default)s)",
+        )
         if cmd in ("apply", "revert"):
             p.add_argument(
                 "--force",
@@ -370,12 +382,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "list":
             version, _ = tree_version(tree)
             names = args.mods or available()
-            selected = mods_for_target(args.target) if args.target else [load_mod(n) for n in names]
+            selected = (
+                mods_for_target(args.target, args.stage)
+                if args.target
+                else [load_mod(n) for n in names]
+            )
             print(f"tree: {tree} (vLLM {version})")
             for mod in selected:
                 print(
                     f"{mod.name:28s} {state(mod, tree).value:24s} "
-                    f"targets={','.join(mod.manifest['targets'])}  {mod.manifest['summary']}"
+                    f"targets={','.join(mod.manifest['targets'])} "
+                    f"stages={','.join(mod.manifest['stages'])}  {mod.manifest['summary']}"
                 )
             return 0
         if args.cmd == "check":

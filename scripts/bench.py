@@ -1,0 +1,373 @@
+"""Cached follow-up TTFT, unpatched vs patched vLLM, measured side by side in one run.
+
+Prompt pair (token ids; written into the results): probe A = shared context of S
+tokens + one "." token (a context load); follow-up B = the same context + a
+48-token user turn. Per repetition and geometry, on each server: A (cold),
+B (cached: the measurement), B again (exact repeat: lower bound), then the
+prefix cache is reset and B is sent once more (cold: upper bound, and the
+correctness reference for the cached B). Also a 4-turn conversation.
+Isolation: every repetition uses a fresh context (new token ids), so one
+repetition cannot warm the next. Servers are interleaved A B A B … with the
+order swapped every repetition; one warm-up repetition is excluded.
+No pass/fail threshold on TTFT: the report gives medians, spread and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from scripts import cpu_env, mods, pins
+from scripts.geometry_model import Case, expected
+from scripts.openai_client import complete, counters, reset_prefix_cache
+from scripts.serve import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE_TOKEN = 13
+TURN_LEN = 48
+REPLY_TOKENS = 8
+LOGPROB_TOLERANCE = 0.05  # bf16 on CPU: a recomputed and a restored state differ in rounding
+TREES = ("unpatched", "patched")
+
+
+def cpu_serve_args(model_dir: Path, block: int, unit: int, num_spec: int) -> list[str]:
+    args = [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "tiny",
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "8192",
+        "--enable-prefix-caching",
+        "--mamba-cache-mode",
+        "align",
+        "--prefix-match-unit",
+        str(unit),
+        "--block-size",
+        str(block),
+        "--enable-prompt-tokens-details",
+        "--gpu-memory-utilization",
+        "0.3",
+    ]
+    if num_spec:
+        args += [
+            "--speculative-config",
+            json.dumps({"method": "mtp", "num_speculative_tokens": num_spec}),
+        ]
+    return args
+
+
+def fix_flags() -> list[str]:
+    return [
+        m.manifest["enable_flag"]
+        for m in mods.mods_for_target("cpu", "patched")
+        if "enable_flag" in m.manifest
+    ]
+
+
+def context(rep: int, shared: int, salt: str) -> list[int]:
+    rng = random.Random(f"{salt}-{rep}-{shared}")
+    return [rng.randrange(16, 4000) for _ in range(shared)]
+
+
+def measure(
+    server: Server,
+    tree: str,
+    prompt: list[int],
+    kind: str,
+    expect: int,
+    rep: int,
+    shared: int,
+    max_tokens: int = 4,
+) -> dict:
+    before = counters(server.url)
+    done = complete(server.url, "tiny", prompt, max_tokens)
+    after = counters(server.url)
+    return {
+        "tree": tree,
+        "rep": rep,
+        "S": shared,
+        "kind": kind,
+        "ttft_s": done.ttft_s,
+        "prompt_tokens": done.prompt_tokens,
+        "cached_tokens": done.cached_tokens,
+        "expected_cached": expect,
+        "hit_ok": done.cached_tokens >= expect,
+        "metrics_hits": after["vllm:prefix_cache_hits_total"]
+        - before["vllm:prefix_cache_hits_total"],
+        "metrics_queries": after["vllm:prefix_cache_queries_total"]
+        - before["vllm:prefix_cache_queries_total"],
+        "token_ids": done.token_ids,
+        "logprobs": done.logprobs,
+    }
+
+
+def run_pair(server: Server, tree: str, rep: int, shared: int, geo: dict) -> list[dict]:
+    ctx = context(rep, shared, "pair")
+    a = ctx + [PROBE_TOKEN]
+    b = ctx + [4000 + i for i in range(TURN_LEN)]
+    unit, num_spec = geo["unit"], geo["num_spec"]
+    case = Case(geo["block"], unit, num_spec, shared, 1)
+    want_b = expected(case, patched=tree == "patched").hit
+    resend = (len(b) // unit * unit - unit) if num_spec else (len(b) - 1) // unit * unit
+    rows = [
+        measure(server, tree, a, "cold_A", 0, rep, shared),
+        measure(server, tree, b, "cached_B", want_b, rep, shared),
+        measure(server, tree, b, "repeat_B", resend, rep, shared),
+    ]
+    reset_prefix_cache(server.url)
+    rows.append(measure(server, tree, b, "cold_B", 0, rep, shared))
+    rows[1]["ideal_cached"] = case.ideal
+    cold, cached = rows[3], rows[1]
+    cached["same_tokens_as_cold"] = cached["token_ids"] == cold["token_ids"]
+    cached["max_logprob_diff"] = max(
+        (abs(x - y) for x, y in zip(cached["logprobs"], cold["logprobs"], strict=False)),
+        default=0.0,
+    )
+    return rows
+
+
+def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: dict) -> list[dict]:
+    unit = geo["unit"]
+    prompt = context(rep, shared, "conv") + [4000 + i for i in range(TURN_LEN)]
+    rows, expect = [], 0
+    for turn in range(4):
+        row = measure(
+            server, tree, prompt, f"turn{turn + 1}", expect, rep, shared, max_tokens=REPLY_TOKENS
+        )
+        rows.append(row)
+        expect = (
+            len(prompt) // unit * unit - unit
+            if geo["num_spec"]
+            else (len(prompt) - 1) // unit * unit
+        )
+        prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    keys = sorted({(r["S"], r["kind"]) for r in rows})
+    for shared, kind in keys:
+        line = {"S": shared, "kind": kind}
+        for tree in TREES:
+            sel = [r for r in rows if r["tree"] == tree and (r["S"], r["kind"]) == (shared, kind)]
+            ttft = sorted(r["ttft_s"] for r in sel)
+            q = statistics.quantiles(ttft, n=4) if len(ttft) > 1 else [ttft[0]] * 3
+            line[tree] = {
+                "n": len(sel),
+                "median_ms": 1000 * statistics.median(ttft),
+                "iqr_ms": [1000 * q[0], 1000 * q[2]],
+                "min_ms": 1000 * ttft[0],
+                "max_ms": 1000 * ttft[-1],
+                "median_cached": statistics.median(r["cached_tokens"] for r in sel),
+                "expected_cached": sel[0]["expected_cached"],
+                "flagged_no_hit": sum(not r["hit_ok"] for r in sel),
+            }
+        pairs = {}
+        for r in rows:
+            if (r["S"], r["kind"]) == (shared, kind):
+                pairs.setdefault(r["rep"], {})[r["tree"]] = r["ttft_s"]
+        ratios = sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
+        line["ratio_patched_unpatched"] = {
+            "median": statistics.median(ratios),
+            "min": ratios[0],
+            "max": ratios[-1],
+        }
+        out.append(line)
+    return out
+
+
+def table(summary: list[dict]) -> tuple[list[str], list[list]]:
+    headers = [
+        "S",
+        "request",
+        "unpatched ms (IQR)",
+        "cached",
+        "patched ms (IQR)",
+        "cached",
+        "expected u/p",
+        "ratio p/u (min-max)",
+        "no-hit flags",
+    ]
+    body = []
+    for s in summary:
+        u, p, r = s["unpatched"], s["patched"], s["ratio_patched_unpatched"]
+        body.append(
+            [
+                s["S"],
+                s["kind"],
+                f"{u['median_ms']:.1f} ({u['iqr_ms'][0]:.1f}-{u['iqr_ms'][1]:.1f})",
+                f"{u['median_cached']:.0f}",
+                f"{p['median_ms']:.1f} ({p['iqr_ms'][0]:.1f}-{p['iqr_ms'][1]:.1f})",
+                f"{p['median_cached']:.0f}",
+                f"{u['expected_cached']}/{p['expected_cached']}",
+                f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})",
+                f"{u['flagged_no_hit']}/{p['flagged_no_hit']}",
+            ]
+        )
+    return headers, body
+
+
+def host_provenance() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        kit_commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        kit_commit = ""
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kit_commit": kit_commit,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--reps", type=int, default=10, help="repetitions (default: %(default)s)")
+    parser.add_argument(
+        "--shared",
+        type=int,
+        nargs="+",
+        default=[1007, 2159],
+        help="context lengths S (default: %(default)s: S mod 16 = 15, "
+        "inside and beyond the first 1024-token block)",
+    )
+    parser.add_argument("--block", type=int, default=1024)
+    parser.add_argument("--unit", type=int, default=16)
+    parser.add_argument("--num-spec", type=int, default=1, help="MTP draft tokens (0: none)")
+    parser.add_argument(
+        "--out", type=Path, help="results folder (default: results/<date>-cpu-<id>)"
+    )
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+
+    from tabulate import tabulate
+    from tqdm import tqdm
+
+    from scripts.tiny_model import write_tiny_model
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or ROOT / "results" / f"{stamp}-cpu-{os.urandom(3).hex()}"
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = write_tiny_model(out / "tiny-qwen3-next")
+    geo = {"block": args.block, "unit": args.unit, "num_spec": args.num_spec}
+    base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec)
+    servers = {
+        tree: Server(
+            tree,
+            base + (fix_flags() if tree == "patched" else []),
+            out / "logs" / f"server-{tree}.log",
+            pythonpath=str(cpu_env.ensure_tree(tree).parent),
+            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            startup_timeout=args.startup_timeout,
+        )
+        for tree in TREES
+    }
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        print(f"starting both servers (logs in {out / 'logs'})", flush=True)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for server in pool.map(lambda s: s.start(), servers.values()):
+                stack.callback(server.stop)
+        work = [(rep, s) for rep in range(-1, args.reps) for s in args.shared]
+        for rep, shared in tqdm(work, desc="repetitions x geometries", unit="pair"):
+            order = TREES if rep % 2 == 0 else TREES[::-1]
+            for tree in order:
+                pair = run_pair(servers[tree], tree, rep, shared, geo)
+                conv = run_conversation(servers[tree], tree, rep, shared, geo)
+                if rep >= 0:  # rep -1 is the warm-up
+                    rows += pair + conv
+    summary = summarize(rows)
+    oracle = [r for r in rows if r["kind"] == "cached_B"]
+    report = {
+        "question": "cached follow-up TTFT, unpatched vs patched (fix-eagle-fine-prefix)",
+        "prompt_pair": {
+            "A": "context(S) + [13]",
+            "B": f"context(S) + {TURN_LEN} user tokens",
+            "isolation": "fresh context token ids per repetition",
+            "conversation": f"4 turns, {REPLY_TOKENS}-token replies, {TURN_LEN}-token user turns",
+        },
+        "geometry": geo,
+        "reps": args.reps,
+        "shared": args.shared,
+        "summary": summary,
+        "oracle": {
+            "tolerance_logprob": LOGPROB_TOLERANCE,
+            "all_same_tokens": all(r["same_tokens_as_cold"] for r in oracle),
+            "max_logprob_diff": max(r["max_logprob_diff"] for r in oracle),
+        },
+        "provenance": {
+            "host": host_provenance(),
+            "pins_sha256": pins.file_sha256(),
+            "vllm": pins.get("vllm.version"),
+            "trees": {t: mods.read_provenance(cpu_env.ensure_tree(t)) for t in TREES},
+            "commands": {
+                "bench": [sys.executable, "-m", "scripts.bench", *sys.argv[1:]],
+                **{t: s.args for t, s in servers.items()},
+            },
+        },
+    }
+    (out / "raw.json").write_text(json.dumps(rows) + "\n")
+    (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
+    headers, body = table(summary)
+    md = [
+        f"# TTFT, unpatched vs patched — {stamp}",
+        "",
+        __doc__.strip(),
+        "",
+        tabulate(body, headers=headers, tablefmt="github"),
+        "",
+        f"Correctness oracle (cached B vs cold B, greedy): same tokens: "
+        f"{report['oracle']['all_same_tokens']}, max |logprob diff| "
+        f"{report['oracle']['max_logprob_diff']:.4f} (tolerance {LOGPROB_TOLERANCE}).",
+        "",
+    ]
+    (out / "bench.md").write_text("\n".join(md))
+    try:
+        from scripts.plot import ttft_plot
+
+        ttft_plot(summary, out / "ttft.png")
+    except ImportError:
+        pass
+    print(tabulate(body, headers=headers))
+    print(f"oracle: {report['oracle']}")
+    print(f"results: {out}")
+    ok = (
+        report["oracle"]["all_same_tokens"]
+        and report["oracle"]["max_logprob_diff"] <= LOGPROB_TOLERANCE
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The few HTTP calls the bench makes: a streamed completion, /metrics, cache reset."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+
+METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+
+
+class MetricsError(RuntimeError):
+    pass
+
+
+class RequestError(RuntimeError):
+    pass
+
+
+@dataclass
+class Completion:
+    ttft_s: float
+    cached_tokens: int
+    prompt_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def complete(
+    base_url: str, model: str, prompt: list[int], max_tokens: int, timeout: float = 600.0
+) -> Completion:
+    """Greedy streamed completion over token ids; TTFT at the first chunk with choices."""
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        base_url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    ttft = None
+    usage = None
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("error"):
+                    raise RequestError(f"server error: {chunk['error']}")
+                for choice in chunk.get("choices") or []:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    token_ids += choice.get("token_ids") or []
+                    logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RequestError(f"completion request failed: {exc}") from exc
+    if ttft is None or usage is None:
+        raise RequestError("stream ended without a token or without usage")
+    details = usage.get("prompt_tokens_details") or {}
+    if "cached_tokens" not in details:
+        raise RequestError(
+            "no usage.prompt_tokens_details.cached_tokens; "
+            "start the server with --enable-prompt-tokens-details"
+        )
+    return Completion(
+        ttft, int(details["cached_tokens"] or 0), int(usage["prompt_tokens"]), token_ids, logprobs
+    )
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """Sum the prefix-cache counters over their label sets; refuse what does not parse."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = METRIC.match(line.strip())
+        if not match:
+            if line.startswith(COUNTERS):
+                raise MetricsError(f"malformed metrics line: {line[:120]!r}")
+            continue
+        name, _, value = match.groups()
+        if name in COUNTERS:
+            totals[name] = totals.get(name, 0.0) + float(value)
+    missing = [c for c in COUNTERS if c not in totals]
+    if missing:
+        raise MetricsError(f"/metrics lacks {', '.join(missing)}")
+    return totals
+
+
+def counters(base_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        return parse_counters(resp.read().decode())
+
+
+def reset_prefix_cache(base_url: str) -> None:
+    request = urllib.request.Request(base_url + "/reset_prefix_cache", b"", method="POST")
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        if resp.status != 200:
+            raise RequestError(f"/reset_prefix_cache answered {resp.status}")

@@ -1,0 +1,126 @@
+"""Start and stop a `vllm serve` process on loopback: free port, health wait, logs, cleanup.
+
+The server always stops: on normal exit, on failure and on Ctrl-C, by signalling
+its whole process group (vLLM forks engine and worker processes).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """One vLLM OpenAI-compatible server; use as a context manager."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    pythonpath: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout: float = 600.0
+    port: int = 0
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        self.port = self.port or free_port()
+        env = dict(os.environ, **self.env)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache (the cold reference)
+        if self.pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (self.pythonpath, env.get("PYTHONPATH", "")) if p
+            )
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w")
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        self.process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(
+                    f"{self.name}: server exited with {self.process.returncode} "
+                    f"during startup; last log lines:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(
+            f"{self.name}: not healthy after {self.startup_timeout:.0f} s; log: {self.log_path}"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=grace)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> Server:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

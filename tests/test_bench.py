@@ -1,0 +1,119 @@
+"""The TTFT harness against a real vLLM server on loopback (the tiny CPU model with MTP).
+
+Tree-independent, so it runs once, in the patched-tree pass of `make test`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from scripts import bench, cpu_env
+from scripts.geometry_model import Case, expected
+from scripts.openai_client import MetricsError, RequestError, complete, counters, parse_counters
+from scripts.serve import Server, ServerError
+
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
+
+GOOD = """# HELP vllm:prefix_cache_hits_total x
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 10.0
+vllm:prefix_cache_hits_total{engine="1",model_name="tiny"} 5.0
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 40.0
+vllm:other_total 3.0
+"""
+
+
+def test_parse_counters_sums_label_sets() -> None:
+    assert parse_counters(GOOD) == {
+        "vllm:prefix_cache_hits_total": 15.0,
+        "vllm:prefix_cache_queries_total": 40.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        (GOOD.replace("} 10.0", "} ten"), "malformed metrics line"),
+        ("vllm:other_total 1\n", "lacks vllm:prefix_cache_hits_total"),
+    ],
+)
+def test_malformed_metrics_are_refused(text: str, match: str) -> None:
+    with pytest.raises(MetricsError, match=match):
+        parse_counters(text)
+
+
+@pytest.fixture(scope="module")
+def tree_path() -> str:
+    if os.environ.get("KIT_TREE", "patched") != "patched":
+        pytest.skip("tree-independent harness tests run in the patched pass only")
+    return str(cpu_env.ensure_tree("patched").parent)
+
+
+def test_server_that_fails_to_start_is_reported(tmp_path: Path, tree_path: str) -> None:
+    server = Server(
+        "broken",
+        ["--model", str(tmp_path / "no-such-model"), "--load-format", "dummy"],
+        tmp_path / "broken.log",
+        pythonpath=tree_path,
+        startup_timeout=300,
+    )
+    with pytest.raises(ServerError, match="exited with"), server:
+        pass
+    assert not server.alive()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tree_path: str):
+    from scripts.tiny_model import write_tiny_model
+
+    home = tmp_path_factory.mktemp("bench")
+    args = bench.cpu_serve_args(write_tiny_model(home / "tiny"), 1024, 16, 1) + bench.fix_flags()
+    with Server(
+        "patched",
+        args,
+        home / "server.log",
+        pythonpath=tree_path,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        startup_timeout=900,
+    ) as srv:
+        yield srv
+    assert not srv.alive()  # stopped on exit
+
+
+GEO = {"block": 1024, "unit": 16, "num_spec": 1}
+
+
+def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
+    shared = 1007  # S mod 16 = 15: the case the fix exists for
+    rows = bench.run_pair(server, "patched", rep=0, shared=shared, geo=GEO)
+    by_kind = {r["kind"]: r for r in rows}
+    want = expected(Case(1024, 16, 1, shared, 1), patched=True).hit
+    assert want == 976
+    cached = by_kind["cached_B"]
+    assert cached["cached_tokens"] == want and cached["hit_ok"]
+    assert cached["metrics_hits"] == want  # /metrics agrees with the usage field
+    assert by_kind["cold_A"]["cached_tokens"] == 0
+    assert by_kind["cold_B"]["cached_tokens"] == 0  # after /reset_prefix_cache
+    assert cached["same_tokens_as_cold"]
+    assert cached["max_logprob_diff"] <= bench.LOGPROB_TOLERANCE
+
+
+def test_request_that_does_not_hit_is_flagged(server: Server) -> None:
+    fresh = bench.context(rep=99, shared=500, salt="nohit")
+    row = bench.measure(server, "patched", fresh, "cached_B", expect=480, rep=0, shared=500)
+    assert row["cached_tokens"] == 0
+    assert not row["hit_ok"]
+
+
+def test_server_that_dies_mid_run(server: Server) -> None:
+    # Last test of the module: it kills the shared server.
+    before = counters(server.url)
+    assert before["vllm:prefix_cache_queries_total"] > 0
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=60)
+    with pytest.raises(RequestError):
+        complete(server.url, "tiny", [100, 101, 102], 2, timeout=30)
+    assert not server.alive()
