@@ -6,7 +6,8 @@ PYTHON ?= python3.11
 VENV_PY := .venv/bin/python
 TREES := unpatched patched
 
-.PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model bench clean \
+.PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model bench bench-cpu \
+  bench-gb10 bench-strix clean \
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images
 
@@ -33,7 +34,21 @@ lint: setup ## ruff over the kit's Python
 mods-list: setup ## the mods and their state against both trees
 	@for tree in $(TREES); do $(VENV_PY) -m scripts.mods list --tree .trees/$$tree/vllm; done
 
-bench: regress ## the main job on the CPU default (today: the geometry comparison)
+# The main job: the GPU target this host has, else the CPU default.
+HOST_TARGET := $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo gb10; \
+  elif [ -e /dev/kfd ]; then echo strix; else echo cpu; fi)
+REPS ?= 10
+
+bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs patched, on this host's target
+
+bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
+	$(VENV_PY) -m scripts.bench --reps $(REPS)
+
+bench-gb10: ## (not built yet) the DGX Spark end-to-end run; see README "Status"
+	@echo "$@: the GPU orchestration is not built yet; see README 'Status'" >&2; exit 2
+
+bench-strix: ## (not built yet) the Strix Halo end-to-end run; see README "Status"
+	@echo "$@: the GPU orchestration is not built yet; see README 'Status'" >&2; exit 2
 
 regress: setup ## geometry table, unpatched vs patched, JSON + Markdown under results/regression
 	$(VENV_PY) -m scripts.regress
