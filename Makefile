@@ -9,7 +9,7 @@ TREES := unpatched patched
 .PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model bench bench-cpu \
   bench-gb10 bench-strix clean \
   lock-models fetch-models verify-models export-models import-models \
-  build-gb10 build-strix build-cpu lint-images
+  build-gb10 build-strix build-cpu lint-images image-cpu-buildah
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -67,6 +67,9 @@ build-strix: setup ## build the strix unpatched and patched images (docker build
 
 build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
 	$(VENV_PY) -m scripts.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+
+image-cpu-buildah: setup ## (no Docker engine) build the cpu image stages with buildah and run the regression suite inside each
+	$(VENV_PY) -m scripts.buildah_proof
 
 lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores only)
 	.venv/bin/hadolint images/*/Dockerfile

@@ -30,11 +30,12 @@ def ttft_plot(summary: list[dict], path: Path) -> Path:
         for j, (tree, color) in enumerate(COLORS.items()):
             stats = s[tree]
             top = y + j * (BAR_H + 2)
-            draw.rectangle([LEFT, top, LEFT + stats["median_ms"] * scale, top + BAR_H],
-                           fill=color)
+            draw.rectangle([LEFT, top, LEFT + stats["median_ms"] * scale, top + BAR_H], fill=color)
             mid = top + BAR_H // 2
-            draw.line([LEFT + stats["min_ms"] * scale, mid, LEFT + stats["max_ms"] * scale, mid],
-                      fill="black")
+            draw.line(
+                [LEFT + stats["min_ms"] * scale, mid, LEFT + stats["max_ms"] * scale, mid],
+                fill="black",
+            )
     draw.line([LEFT, height - 30, width - RIGHT, height - 30], fill="black")
     draw.text((LEFT, height - 25), "0", fill="black")
     draw.text((width - RIGHT - 60, height - 25), f"{peak:.0f} ms", fill="black")
