@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from scripts import images, pins
+from scripts.containers import RUN_SPECS, BuildahEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "buildah"
@@ -119,51 +120,26 @@ def build(stage: str, base: str) -> str:
 
 
 def suite_inside(tag: str, stage: str, out: Path) -> dict:
-    ctr = run(["buildah", *STORAGE, "from", tag], capture_output=True, text=True).stdout.strip()
-    try:
-        junit = "/tmp/kit-regression.xml"
-        proc = subprocess.run(
+    """The regression suite inside the image, through the kit's container adapter."""
+    with BuildahEngine() as engine:
+        done = engine.run(
+            tag,
             [
-                "buildah",
-                *STORAGE,
-                "run",
-                "--isolation",
-                "chroot",
-                ctr,
-                "--",
                 "bash",
                 "-c",
-                f"cd /opt/kit && python -m pytest tests/regression -q -p no:cacheprovider "
-                f"--junitxml={junit} && cat {junit}",
+                "cd /opt/kit && python -m pytest tests/regression -q -p no:cacheprovider",
             ],
-            capture_output=True,
-            text=True,
+            RUN_SPECS["cpu"],
         )
-        (out / f"suite-{stage}.log").write_text(proc.stdout + proc.stderr)
-        provenance = subprocess.run(
-            [
-                "buildah",
-                *STORAGE,
-                "run",
-                "--isolation",
-                "chroot",
-                ctr,
-                "--",
-                "cat",
-                "/opt/kit/provenance.json",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout
-    finally:
-        subprocess.run(["buildah", *STORAGE, "rm", ctr], capture_output=True)
-    if proc.returncode != 0:
+        provenance = engine.run(tag, ["cat", "/opt/kit/provenance.json"], RUN_SPECS["cpu"])
+    (out / f"suite-{stage}.log").write_text(done.output)
+    if done.returncode != 0:
         raise ProofError(
             f"{stage}: the regression suite failed inside the image; "
             f"see {out / f'suite-{stage}.log'}"
         )
-    summary = proc.stdout.split("<?xml", 1)[0].strip().splitlines()[-1]
-    return {"summary": summary, "provenance": json.loads(provenance or "{}")}
+    summary = [ln for ln in done.output.splitlines() if " in " in ln and "passed" in ln][-1]
+    return {"summary": summary.strip("= "), "provenance": json.loads(provenance.output or "{}")}
 
 
 def main(argv: list[str] | None = None) -> int:

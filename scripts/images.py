@@ -27,35 +27,6 @@ def build_args(target: str) -> dict[str, str]:
     return args
 
 
-# `docker run` flags per target, encoded once (the orchestration reads them too).
-RUN_FLAGS: dict[str, list[str]] = {
-    "gb10": [
-        "--runtime=nvidia",
-        "--gpus=all",
-        "--ipc=host",
-        "--shm-size=16g",
-        "--ulimit",
-        "memlock=-1",
-        "--ulimit",
-        "stack=67108864",
-    ],
-    # ROCm needs the KFD and DRI nodes, the video/render groups (numeric gids under
-    # rootful Docker) and an unconfined seccomp profile; --privileged is not needed.
-    "strix": [
-        "--device=/dev/kfd",
-        "--device=/dev/dri",
-        "--group-add=video",
-        "--group-add=render",
-        "--security-opt",
-        "seccomp=unconfined",
-        "--ipc=host",
-        "--shm-size=16g",
-    ],
-    "cpu": ["--ipc=host", "--shm-size=4g"],
-}
-OFFLINE_RUN_FLAGS = ["--network=none", "-e", "HF_HUB_OFFLINE=1"]
-
-
 def image_tag(target: str, stage: str) -> str:
     return f"hybrid-prefix-kit/{target}:{pins.get('vllm.version')}-{stage}"
 
@@ -99,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.print_run_flags:
-        print(shlex.join(RUN_FLAGS[args.target] + OFFLINE_RUN_FLAGS))
+        from scripts.containers import RUN_SPECS
+
+        print(shlex.join(RUN_SPECS[args.target].cli_flags()))
         return 0
     (ROOT / "wheelhouse").mkdir(exist_ok=True)  # the Dockerfiles COPY it; may stay empty
     try:

@@ -1,0 +1,76 @@
+"""The container adapter: one encoding of each target's run flags, and the engines."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from scripts.containers import RUN_SPECS, BuildahEngine, DockerEngine, EngineUnavailable
+from scripts.images import image_tag
+
+pytestmark = pytest.mark.cpu
+
+
+def test_strix_flags_without_privileged() -> None:
+    flags = RUN_SPECS["strix"].cli_flags()
+    assert {
+        "--device=/dev/kfd",
+        "--device=/dev/dri",
+        "--group-add=render",
+        "--group-add=video",
+    } <= set(flags)
+    assert "seccomp=unconfined" in flags and "--privileged" not in flags
+    assert "--network=none" in flags  # runs offline
+    kwargs = RUN_SPECS["strix"].sdk_kwargs()
+    assert kwargs["devices"] == ["/dev/kfd:/dev/kfd:rwm", "/dev/dri:/dev/dri:rwm"]
+    assert kwargs["group_add"] == ["video", "render"]
+    assert kwargs["network_mode"] == "none" and "privileged" not in kwargs
+
+
+def test_gb10_flags_and_sdk_kwargs_agree() -> None:
+    spec = RUN_SPECS["gb10"]
+    flags = spec.cli_flags()
+    assert "--runtime=nvidia" in flags and "--gpus=all" in flags and "--ipc=host" in flags
+    kwargs = spec.sdk_kwargs()
+    assert kwargs["runtime"] == "nvidia" and kwargs["ipc_mode"] == "host"
+    assert kwargs["device_requests"][0]["Capabilities"] == [["gpu"]]
+    assert {u["Name"] for u in kwargs["ulimits"]} == {"memlock", "stack"}
+    assert kwargs["environment"] == {"HF_HUB_OFFLINE": "1"}
+
+
+def test_docker_engine_without_an_engine_says_what_to_do(monkeypatch) -> None:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    with pytest.raises(EngineUnavailable, match="DOCKER_HOST"):
+        DockerEngine()
+
+
+def test_buildah_engine_refuses_gpu_specs() -> None:
+    with pytest.raises(EngineUnavailable, match="GPU"):
+        BuildahEngine().run("any", ["true"], RUN_SPECS["gb10"])
+
+
+@pytest.mark.container
+def test_buildah_engine_runs_offline_in_the_cpu_image() -> None:
+    tag = f"localhost/{image_tag('cpu', 'patched')}"
+    have = subprocess.run(
+        ["buildah", "--storage-driver", "vfs", "images", "-q", tag], capture_output=True, text=True
+    )
+    if have.returncode != 0 or not have.stdout.strip():
+        pytest.skip(f"{tag} not built here; run 'make image-cpu-buildah'")
+    with BuildahEngine() as engine:
+        done = engine.run(
+            tag,
+            [
+                "python",
+                "-c",
+                "import socket,sys; "
+                "s=socket.socket(); s.settimeout(3); "
+                "sys.exit(0 if s.connect_ex(('pypi.org', 443)) else 1)",
+            ],
+            RUN_SPECS["cpu"],
+        )
+        assert done.returncode == 0, done.output  # the network is cut off
+        assert not engine.started  # nothing left behind
+    assert shutil.which("buildah")
