@@ -51,6 +51,15 @@ def test_buildah_engine_refuses_gpu_specs() -> None:
         BuildahEngine().run("any", ["true"], RUN_SPECS["gb10"])
 
 
+# Exits 0 only when no connection to the outside can be made.
+OFFLINE_PROBE = (
+    "import socket, sys\n"
+    "try:\n    socket.create_connection(('pypi.org', 443), 3)\n"
+    "except OSError:\n    sys.exit(0)\n"
+    "sys.exit(1)"
+)
+
+
 @pytest.mark.container
 def test_buildah_engine_runs_offline_in_the_cpu_image() -> None:
     tag = f"localhost/{image_tag('cpu', 'patched')}"
@@ -62,13 +71,7 @@ def test_buildah_engine_runs_offline_in_the_cpu_image() -> None:
     with BuildahEngine() as engine:
         done = engine.run(
             tag,
-            [
-                "python",
-                "-c",
-                "import socket,sys; "
-                "s=socket.socket(); s.settimeout(3); "
-                "sys.exit(0 if s.connect_ex(('pypi.org', 443)) else 1)",
-            ],
+            ["python", "-c", OFFLINE_PROBE],
             RUN_SPECS["cpu"],
         )
         assert done.returncode == 0, done.output  # the network is cut off
