@@ -7,7 +7,7 @@ VENV_PY := .venv/bin/python
 TREES := unpatched patched
 
 .PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model bench bench-cpu \
-  bench-gb10 bench-strix clean \
+  bench-gb10 bench-strix report clean \
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images image-cpu-buildah
 
@@ -43,6 +43,11 @@ bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs
 
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
 	$(VENV_PY) -m scripts.bench --reps $(REPS)
+
+BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
+
+report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU bundle) as Markdown
+	$(VENV_PY) -m scripts.report $(BUNDLES)
 
 bench-gb10: ## (not built yet) the DGX Spark end-to-end run; see README "Status"
 	@echo "$@: the GPU orchestration is not built yet; see README 'Status'" >&2; exit 2

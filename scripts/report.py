@@ -1,0 +1,127 @@
+"""`make report`: render one results bundle, or two side by side (e.g. gb10 vs strix), as Markdown.
+
+A bundle is a folder written by the bench (``bench.json`` inside). With two
+bundles the cached follow-up rows are set next to each other with their
+patched/unpatched ratios, and the provenance of both is listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+from scripts.bench import table
+
+
+class BundleError(RuntimeError):
+    pass
+
+
+def load(bundle: Path) -> dict:
+    path = bundle / "bench.json"
+    if not path.is_file():
+        raise BundleError(f"{bundle}: no bench.json; pass a folder written by 'make bench'")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def provenance_lines(name: str, report: dict) -> list[str]:
+    prov = report["provenance"]
+    host = prov["host"]
+    lines = [
+        f"- **{name}**: {host.get('machine')} {host.get('cpu')}, {host.get('platform')}; "
+        f"vLLM {prov['vllm']}; pins {prov['pins_sha256'][:12]}; "
+        f"kit {host.get('kit_commit', '')[:12]}"
+    ]
+    for tree, record in prov["trees"].items():
+        mods = ", ".join(f"{m['name']} ({m['patch_sha256'][:12]})" for m in record.get("mods", []))
+        lines.append(f"  - {tree}: {mods or 'no mods'}")
+    return lines
+
+
+def render(bundles: list[Path]) -> str:
+    reports = [(b.name, load(b)) for b in bundles]
+    out = ["# Hybrid prefix-cache kit: results", ""]
+    for name, report in reports:
+        headers, body = table(report["summary"])
+        geo = report["geometry"]
+        out += [
+            f"## {name}",
+            "",
+            f"B_phys {geo['block']}, H {geo['unit']}, MTP k={geo['num_spec']}, "
+            f"{report['reps']} repetitions; prompt pair: {report['prompt_pair']}.",
+            "",
+            tabulate(body, headers=headers, tablefmt="github"),
+            "",
+            f"Oracle: {report['oracle']}",
+            "",
+        ]
+    if len(reports) == 2:
+        (left, a), (right, b) = reports
+        rows = []
+        for sa in a["summary"]:
+            if sa["kind"] != "cached_B":
+                continue
+            sb = next(
+                (s for s in b["summary"] if (s["S"], s["kind"]) == (sa["S"], "cached_B")), None
+            )
+            if sb is None:
+                continue
+            rows.append(
+                [
+                    sa["S"],
+                    f"{sa['patched']['median_ms']:.1f}",
+                    f"{sa['ratio_patched_unpatched']['median']:.2f}",
+                    f"{sb['patched']['median_ms']:.1f}",
+                    f"{sb['ratio_patched_unpatched']['median']:.2f}",
+                ]
+            )
+        out += [
+            "## Side by side: cached follow-up",
+            "",
+            tabulate(
+                rows,
+                headers=[
+                    "S",
+                    f"{left} patched ms",
+                    f"{left} ratio p/u",
+                    f"{right} patched ms",
+                    f"{right} ratio p/u",
+                ],
+                tablefmt="github",
+            ),
+            "",
+        ]
+    out += ["## Provenance", ""]
+    for name, report in reports:
+        out += provenance_lines(name, report)
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("bundles", type=Path, nargs="+", help="one or two results folders")
+    parser.add_argument("--out", type=Path, help="write the Markdown here instead of stdout")
+    args = parser.parse_args(argv)
+    if len(args.bundles) > 2:
+        parser.error("give one bundle, or two to compare")
+    try:
+        text = render(args.bundles)
+    except BundleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""`make report` over the committed CPU bundle, alone and side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripts import report
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLES = sorted(p.parent for p in (ROOT / "results").glob("*-cpu-*/bench.json"))
+
+
+@pytest.fixture()
+def bundle() -> Path:
+    if not BUNDLES:
+        pytest.fail("no committed CPU results bundle under results/")
+    return BUNDLES[-1]
+
+
+def test_single_bundle(bundle: Path) -> None:
+    text = report.render([bundle])
+    assert "cached_B" in text and "fix-eagle-fine-prefix" in text
+    assert "Oracle" in text
+
+
+def test_two_bundles_side_by_side(bundle: Path, tmp_path: Path) -> None:
+    other = tmp_path / "copy-of-bundle"
+    other.mkdir()
+    (other / "bench.json").write_text((bundle / "bench.json").read_text())
+    text = report.render([bundle, other])
+    assert "## Side by side: cached follow-up" in text
+    assert text.count("cached_B") >= 2
+
+
+def test_not_a_bundle(tmp_path: Path) -> None:
+    with pytest.raises(report.BundleError, match="no bench.json"):
+        report.render([tmp_path])
+    assert report.main([str(tmp_path)]) == 2
