@@ -114,7 +114,8 @@ def build(stage: str, base: str) -> str:
     for key, value in images.build_args("cpu").items():
         cmd += ["--build-arg", f"{key}={base if key == 'BASE_IMAGE' else value}"]
     if CA_BUNDLE.is_file():
-        cmd += ["-v", f"{CA_BUNDLE}:{CA_BUNDLE}:ro"]
+        # Not over /etc/ssl/certs: the image's own ca-certificates package owns that file.
+        cmd += ["-v", f"{CA_BUNDLE}:/run/kit-host-ca.crt:ro"]
     run([*cmd, str(ROOT)])
     return tag
 
