@@ -98,10 +98,13 @@ def fill_wheelhouse() -> Path:
 
 def build(stage: str, base: str) -> str:
     tag = f"localhost/{images.image_tag('cpu', stage)}"
+    # Docker format: the OCI format ignores SHELL, and the RUN lines are bash.
     cmd = [
         "buildah",
         *STORAGE,
         "bud",
+        "--format",
+        "docker",
         "--isolation",
         "chroot",
         "--target",

@@ -96,8 +96,21 @@ class RunResult:
     output: str
 
 
+class _Engine:
+    """What every engine offers: run, and close() removing whatever it started."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @dataclass
-class DockerEngine:
+class DockerEngine(_Engine):
     """Docker or Podman (Docker-compatible API) through the Docker SDK."""
 
     started: list = field(default_factory=list)
@@ -139,15 +152,9 @@ class DockerEngine:
             container.remove(force=True)
         self.started.clear()
 
-    def __enter__(self) -> DockerEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 @dataclass
-class BuildahEngine:
+class BuildahEngine(_Engine):
     """`buildah run` with vfs storage and chroot isolation: no daemon, CPU images only."""
 
     storage: tuple[str, ...] = ("--storage-driver", "vfs")
@@ -189,9 +196,3 @@ class BuildahEngine:
     def close(self) -> None:
         for ctr in list(self.started):
             self._remove(ctr)
-
-    def __enter__(self) -> BuildahEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

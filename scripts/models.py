@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.pins import UNRESOLVED
+from scripts.pins import UNRESOLVED, file_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "models.lock"
@@ -183,7 +183,9 @@ def lock(path: Path, model: str | None, ref: str | None) -> list[str]:
                     entry.repo, sibling.rfilename, revision=info.sha, cache_dir=tmp
                 )
                 files.append(
-                    LockedFile(sibling.rfilename, Path(local).stat().st_size, _sha256(Path(local)))
+                    LockedFile(
+                        sibling.rfilename, Path(local).stat().st_size, file_sha256(Path(local))
+                    )
                 )
         if info.sha != entry.revision or files != entry.files:
             entry.revision, entry.files = info.sha, files
@@ -235,14 +237,6 @@ def snapshot(store: Path, entry: Entry) -> Path:
     return store / f"models--{entry.repo.replace('/', '--')}" / "snapshots" / entry.revision
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _stamp_path(store: Path, entry: Entry, f: LockedFile) -> Path:
     return store / STAMP_DIR / entry.revision / f"{hashlib.sha1(f.path.encode()).hexdigest()}"
 
@@ -258,7 +252,7 @@ def _problem(store: Path, entry: Entry, f: LockedFile, full: bool) -> str | None
     expected_stamp = f"{f.sha256} {stat.st_size} {stat.st_mtime_ns}"
     if not full and stamp.is_file() and stamp.read_text() == expected_stamp:
         return None
-    if _sha256(path) != f.sha256:
+    if file_sha256(path) != f.sha256:
         return "sha256 differs from the lock (corrupt)"
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(expected_stamp)

@@ -44,7 +44,12 @@ def is_resolved(value: str) -> bool:
 
 
 def file_sha256(path: Path = PINS_FILE) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of a file (the pin file by default), read in chunks: model files are large."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def build_args(target: str, pins: dict[str, Any] | None = None) -> dict[str, str]:

@@ -9,7 +9,6 @@ with that reason.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -48,7 +47,7 @@ def sdist_path(explicit: Path | None = None) -> Path:
     candidates.append(CACHE / name)
     for path in candidates:
         if path and path.is_file():
-            if _sha256(path) != want:
+            if pins.file_sha256(path) != want:
                 raise SuiteError(f"{path}: sha256 differs from pins.toml; delete it and retry")
             return path
     CACHE.mkdir(exist_ok=True)
@@ -60,19 +59,11 @@ def sdist_path(explicit: Path | None = None) -> Path:
         partial.open("wb") as out,
     ):
         shutil.copyfileobj(resp, out)
-    if _sha256(partial) != want:
+    if pins.file_sha256(partial) != want:
         partial.unlink()
         raise SuiteError("downloaded sdist does not match vllm.sdist_sha256 in pins.toml")
     partial.replace(target)
     return target
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def extract_tests(sdist: Path) -> Path:

@@ -32,7 +32,7 @@ def _select_tree() -> Path | None:
 
     if TREE == "installed":
         # Inside the kit's images: the image's own vllm, patched or not.
-        from scripts.image_provenance import installed_vllm
+        from scripts.image_stage import installed_vllm
 
         return installed_vllm()
 

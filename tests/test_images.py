@@ -38,8 +38,8 @@ def test_every_arg_is_supplied_from_pins(target: str) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_patched_stage_applies_mods_with_self_check(target: str) -> None:
     patched = dockerfile(target).split("AS patched", 1)[1]
-    assert f"scripts.mods apply --target {target}" in patched
-    assert f"scripts.image_provenance --target {target} --stage patched" in patched
+    # image_stage applies the stage's mods with the engine, then records provenance.
+    assert f"scripts.image_stage --target {target} --stage patched" in patched
     assert re.search(r"^USER 10001", patched, re.M)  # not root at run time
     assert "HF_TOKEN" not in dockerfile(target)
 
@@ -69,3 +69,33 @@ def test_hadolint_is_clean() -> None:
         binary = Path(sys.executable).with_name("hadolint")
         out = subprocess.run([str(binary), *files], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _tagged_repo(tmp_path: Path) -> tuple[Path, str]:
+    repo = tmp_path / "upstream"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=kit", "-c", "user.email=kit@localhost"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "README").write_text("v\n")
+    subprocess.run([*git, "add", "README"], check=True)
+    subprocess.run([*git, "commit", "-qm", "release"], check=True)
+    subprocess.run([*git, "tag", "v9.9.9"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return repo, head
+
+
+@pytest.mark.parametrize("pinned", ["full", "abbrev", "wrong"])
+def test_clone_script_refuses_a_moved_tag(tmp_path: Path, pinned: str) -> None:
+    repo, head = _tagged_repo(tmp_path)
+    commit = {"full": head, "abbrev": "unresolved", "wrong": "0" * 40}[pinned]
+    script = ROOT / "images" / "common" / "clone-vllm.sh"
+    done = subprocess.run(
+        [str(script), f"file://{repo}", "v9.9.9", commit, head[:9], str(tmp_path / "src")],
+        capture_output=True,
+        text=True,
+    )
+    assert (done.returncode == 0) == (pinned != "wrong"), done.stderr
+    if pinned == "wrong":
+        assert "moved" in done.stderr

@@ -1,8 +1,10 @@
-"""Inside an image build: find the installed vLLM without importing it, record provenance.
+"""Inside an image build: finish a stage — apply its mods, then record provenance.
 
-Writes /opt/kit/provenance.json: target, stage, vLLM version and commit, the arch
-list the image was built for, the mods applied with their patch hashes, and the
-pin file hash. The bench and the reports read it.
+Finds the installed vLLM without importing it (an import can initialise a GPU),
+applies the mods the target's stage gets with the mod engine (a mod that no
+longer applies fails the build here, never the benchmark), and writes
+/opt/kit/provenance.json: target, stage, vLLM version and commit, the arch list
+the image was built for, the mods with their patch hashes, and the pin file hash.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.target and args.stage):
         parser.error("--target and --stage are required")
+    for line in mods.apply(installed_vllm(), mods.mods_for_target(args.target, args.stage)):
+        print(line)
     data = record(args.target, args.stage)
     if args.stage == "patched" and not data["mods"]:
         parser.exit(1, "error: patched stage but no mods recorded beside vllm\n")
