@@ -176,7 +176,10 @@ class BuildahEngine(_Engine):
         self.started.append(ctr)
         try:
             cmd = ["buildah", *self.storage, "run", "--isolation", "chroot"]
-            cmd += [] if spec.network else ["--network", "none"]
+            if not spec.network:
+                # chroot isolation shares the host's network namespace and refuses
+                # --network none: give buildah an empty namespace of its own instead.
+                cmd = ["unshare", "--net", *cmd]
             for key, value in spec.env:
                 cmd += ["--env", f"{key}={value}"]
             for src, dst in (mounts or {}).items():
