@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from scripts import cpu_env, mods, pins
+from scripts import cpu_env, models, mods, pins
 from scripts.geometry_model import Case, expected
-from scripts.openai_client import complete, counters, reset_prefix_cache
+from scripts.openai_client import cache_config_info, complete, counters, reset_prefix_cache
 from scripts.serve import Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,29 +40,40 @@ LOGPROB_TOLERANCE = 0.05  # bf16 on CPU: a recomputed and a restored state diffe
 TREES = ("unpatched", "patched")
 
 
-def cpu_serve_args(model_dir: Path, block: int, unit: int, num_spec: int) -> list[str]:
-    args = [
-        "--model",
-        str(model_dir),
+SERVED_NAME = "kit-model"
+
+
+def common_serve_args(unit: int) -> list[str]:
+    """What every bench server needs, whatever the model and target."""
+    return [
         "--served-model-name",
-        "tiny",
-        "--load-format",
-        "dummy",
+        SERVED_NAME,
         "--skip-tokenizer-init",
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "8192",
         "--enable-prefix-caching",
         "--mamba-cache-mode",
         "align",
         "--prefix-match-unit",
         str(unit),
+        "--enable-prompt-tokens-details",
+    ]
+
+
+def cpu_serve_args(model_dir: Path, block: int, unit: int, num_spec: int) -> list[str]:
+    """The CPU default: the tiny random-weight model, a large block so prefill dominates."""
+    args = [
+        "--model",
+        str(model_dir),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "8192",
         "--block-size",
         str(block),
-        "--enable-prompt-tokens-details",
         "--gpu-memory-utilization",
         "0.3",
+        *common_serve_args(unit),
     ]
     if num_spec:
         args += [
@@ -70,6 +81,28 @@ def cpu_serve_args(model_dir: Path, block: int, unit: int, num_spec: int) -> lis
             json.dumps({"method": "mtp", "num_speculative_tokens": num_spec}),
         ]
     return args
+
+
+def locked_serve_args(key: str, store: Path, unit: int) -> tuple[list[str], int]:
+    """A models.lock entry, verified offline first; returns its args and MTP draft count.
+
+    vLLM picks the hybrid block size itself; the bench reads it back from
+    ``vllm:cache_config_info`` once the server is up.
+    """
+    _, entries = models.load()
+    (entry,) = models.select(entries, key, None)
+    models.verify([entry], store)  # refuses unresolved, missing or partial files
+    serve = list(entry.fields.get("serve_args", []))
+    num_spec = 0
+    if "--speculative-config" in serve:
+        spec = json.loads(serve[serve.index("--speculative-config") + 1])
+        num_spec = int(spec.get("num_speculative_tokens", 0))
+    return [
+        "--model",
+        str(models.snapshot(store, entry)),
+        *serve,
+        *common_serve_args(unit),
+    ], num_spec
 
 
 def fix_flags() -> list[str]:
@@ -96,7 +129,7 @@ def measure(
     max_tokens: int = 4,
 ) -> dict:
     before = counters(server.url)
-    done = complete(server.url, "tiny", prompt, max_tokens)
+    done = complete(server.url, SERVED_NAME, prompt, max_tokens)
     after = counters(server.url)
     return {
         "tree": tree,
@@ -269,6 +302,29 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, help="results folder (default: results/<date>-cpu-<id>)"
     )
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--print-serve-args", action="store_true", help="print the server arguments as JSON"
+    )
+    parser.add_argument(
+        "--server-url",
+        action="append",
+        default=[],
+        metavar="TREE=URL",
+        help="use running servers (unpatched=URL and patched=URL, e.g. one per container) "
+        "instead of starting them",
+    )
+    parser.add_argument(
+        "--locked-model",
+        metavar="KEY",
+        help="serve this models.lock entry (verified offline first) instead of "
+        "the CPU default's tiny model; inside the gb10/strix images",
+    )
+    parser.add_argument(
+        "--store",
+        type=Path,
+        default=models.DEFAULT_STORE,
+        help="model store for --locked-model (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
 
     from tabulate import tabulate
@@ -277,28 +333,60 @@ def main(argv: list[str] | None = None) -> int:
     from scripts.tiny_model import write_tiny_model
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = args.out or ROOT / "results" / f"{stamp}-cpu-{os.urandom(3).hex()}"
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir = write_tiny_model(out / "tiny-qwen3-next")
-    geo = {"block": args.block, "unit": args.unit, "num_spec": args.num_spec}
-    base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec)
+    label = args.locked_model or "cpu"
+    out = args.out or ROOT / "results" / f"{stamp}-{label}-{os.urandom(3).hex()}"
+    if not args.print_serve_args:
+        out.mkdir(parents=True, exist_ok=True)
+    if args.locked_model:
+        try:
+            base, num_spec = locked_serve_args(args.locked_model, args.store, args.unit)
+        except (models.LockError, models.VerifyError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        env = {}
+    else:
+        model_dir = write_tiny_model(
+            ROOT / ".models" / "tiny-qwen3-next"
+            if args.print_serve_args
+            else out / "tiny-qwen3-next"
+        )
+        base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec)
+        num_spec, env = args.num_spec, {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if args.print_serve_args:
+        # For an orchestrator that starts the servers itself (one per image).
+        print(json.dumps({"args": base, "patched_extra": fix_flags(), "env": env}))
+        return 0
+    geo = {"block": args.block, "unit": args.unit, "num_spec": num_spec}
     servers = {
         tree: Server(
             tree,
             base + (fix_flags() if tree == "patched" else []),
             out / "logs" / f"server-{tree}.log",
             pythonpath=str(cpu_env.ensure_tree(tree).parent),
-            env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+            env=env,
             startup_timeout=args.startup_timeout,
         )
         for tree in TREES
     }
+    external = dict(item.split("=", 1) for item in args.server_url)
+    if external and set(external) != set(TREES):
+        parser.error("--server-url needs both unpatched=URL and patched=URL")
     rows: list[dict] = []
     with ExitStack() as stack:
-        print(f"starting both servers (logs in {out / 'logs'})", flush=True)
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            for server in pool.map(lambda s: s.start(), servers.values()):
-                stack.callback(server.stop)
+        if external:
+            for tree, url in external.items():
+                servers[tree].url_override = url.rstrip("/")
+        else:
+            print(f"starting both servers (logs in {out / 'logs'})", flush=True)
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                for server in pool.map(lambda s: s.start(), servers.values()):
+                    stack.callback(server.stop)
+        # The geometry the expectations use is the one the servers report.
+        reported = {t: cache_config_info(s.url) for t, s in servers.items()}
+        if reported["unpatched"] != reported["patched"]:
+            raise SystemExit(f"error: the two servers' cache geometry differs: {reported}")
+        geo["block"] = reported["patched"]["block"]
+        geo["unit"] = reported["patched"]["unit"]
         work = [(rep, s) for rep in range(-1, args.reps) for s in args.shared]
         for rep, shared in tqdm(work, desc="repetitions x geometries", unit="pair"):
             order = TREES if rep % 2 == 0 else TREES[::-1]

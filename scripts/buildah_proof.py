@@ -99,14 +99,14 @@ def fill_wheelhouse() -> Path:
 def build(stage: str, base: str) -> str:
     tag = f"localhost/{images.image_tag('cpu', stage)}"
     # Docker format: the OCI format ignores SHELL, and the RUN lines are bash.
-    # --layers: the patched stage reuses the build stage, and reruns reuse both.
+    # No --layers: with vfs every cached layer is a full copy of the root file
+    # system, which costs more than building the shared stage twice.
     cmd = [
         "buildah",
         *STORAGE,
         "bud",
         "--format",
         "docker",
-        "--layers",
         "--isolation",
         "chroot",
         "--target",

@@ -111,6 +111,24 @@ def counters(base_url: str) -> dict[str, float]:
         return parse_counters(resp.read().decode())
 
 
+def parse_cache_config_info(text: str) -> dict[str, int]:
+    """Block size (the Mamba block when set) and match unit from ``vllm:cache_config_info``."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            block = labels.get("mamba_block_size") or labels.get("block_size")
+            unit = labels.get("prefix_match_unit")
+            if block and block.isdigit() and unit and unit.isdigit():
+                return {"block": int(block), "unit": int(unit)}
+            raise MetricsError(f"vllm:cache_config_info lacks block sizes: {line[:160]!r}")
+    raise MetricsError("/metrics has no vllm:cache_config_info")
+
+
+def cache_config_info(base_url: str) -> dict[str, int]:
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        return parse_cache_config_info(resp.read().decode())
+
+
 def reset_prefix_cache(base_url: str) -> None:
     request = urllib.request.Request(base_url + "/reset_prefix_cache", b"", method="POST")
     with urllib.request.urlopen(request, timeout=60) as resp:

@@ -40,10 +40,12 @@ class Server:
     startup_timeout: float = 600.0
     port: int = 0
     process: subprocess.Popen | None = None
+    # A server someone else runs (e.g. in a container): only its URL is used.
+    url_override: str | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.url_override or f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Server:
         self.port = self.port or free_port()

@@ -13,7 +13,15 @@ import pytest
 
 from scripts import bench, cpu_env
 from scripts.geometry_model import Case, expected
-from scripts.openai_client import MetricsError, RequestError, complete, counters, parse_counters
+from scripts.openai_client import (
+    MetricsError,
+    RequestError,
+    cache_config_info,
+    complete,
+    counters,
+    parse_cache_config_info,
+    parse_counters,
+)
 from scripts.serve import Server, ServerError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -43,6 +51,26 @@ def test_parse_counters_sums_label_sets() -> None:
 def test_malformed_metrics_are_refused(text: str, match: str) -> None:
     with pytest.raises(MetricsError, match=match):
         parse_counters(text)
+
+
+# Trimmed from a real vLLM 0.32.0 CPU server's /metrics.
+CACHE_CONFIG_LINE = (
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="1024",'
+    'enable_prefix_caching="True",engine="0",mamba_block_size="1024",'
+    'mamba_cache_mode="align",prefix_match_unit="16"} 1.0'
+)
+
+
+def test_cache_config_info_gives_the_geometry() -> None:
+    assert parse_cache_config_info(CACHE_CONFIG_LINE) == {"block": 1024, "unit": 16}
+    with pytest.raises(MetricsError, match="no vllm:cache_config_info"):
+        parse_cache_config_info(GOOD)
+
+
+def test_locked_model_must_be_pinned_and_verified(capsys) -> None:
+    # The repository's lock is unresolved here: the bench stops before any server.
+    assert bench.main(["--locked-model", "qwen3_5-0_8b", "--print-serve-args"]) == 2
+    assert "make lock-models MODEL=qwen3_5-0_8b" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +115,7 @@ GEO = {"block": 1024, "unit": 16, "num_spec": 1}
 
 
 def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
+    assert cache_config_info(server.url) == {"block": 1024, "unit": 16}
     shared = 1007  # S mod 16 = 15: the case the fix exists for
     rows = bench.run_pair(server, "patched", rep=0, shared=shared, geo=GEO)
     by_kind = {r["kind"]: r for r in rows}
@@ -115,5 +144,5 @@ def test_server_that_dies_mid_run(server: Server) -> None:
     os.killpg(server.process.pid, signal.SIGKILL)
     server.process.wait(timeout=60)
     with pytest.raises(RequestError):
-        complete(server.url, "tiny", [100, 101, 102], 2, timeout=30)
+        complete(server.url, bench.SERVED_NAME, [100, 101, 102], 2, timeout=30)
     assert not server.alive()
