@@ -125,27 +125,30 @@ def build(stage: str, base: str) -> str:
     return tag
 
 
+PROVENANCE_MARK = "--- kit provenance ---"
+
+
 def suite_inside(tag: str, stage: str, out: Path) -> dict:
-    """The regression suite inside the image, through the kit's container adapter."""
+    """The regression suite inside the image, through the kit's container adapter.
+
+    One container for both the suite and the provenance: with vfs every
+    container start copies the whole image.
+    """
+    script = (
+        "cd /opt/kit && python -m pytest tests/regression -q -p no:cacheprovider; rc=$?; "
+        f"echo '{PROVENANCE_MARK}'; cat /opt/kit/provenance.json; exit $rc"
+    )
     with BuildahEngine() as engine:
-        done = engine.run(
-            tag,
-            [
-                "bash",
-                "-c",
-                "cd /opt/kit && python -m pytest tests/regression -q -p no:cacheprovider",
-            ],
-            RUN_SPECS["cpu"],
-        )
-        provenance = engine.run(tag, ["cat", "/opt/kit/provenance.json"], RUN_SPECS["cpu"])
-    (out / f"suite-{stage}.log").write_text(done.output)
+        done = engine.run(tag, ["bash", "-c", script], RUN_SPECS["cpu"])
+    log, _, provenance = done.output.partition(PROVENANCE_MARK)
+    (out / f"suite-{stage}.log").write_text(log)
     if done.returncode != 0:
         raise ProofError(
             f"{stage}: the regression suite failed inside the image; "
             f"see {out / f'suite-{stage}.log'}"
         )
-    summary = [ln for ln in done.output.splitlines() if " in " in ln and "passed" in ln][-1]
-    return {"summary": summary.strip("= "), "provenance": json.loads(provenance.output or "{}")}
+    summary = [ln for ln in log.splitlines() if " in " in ln and "passed" in ln][-1]
+    return {"summary": summary.strip("= "), "provenance": json.loads(provenance or "{}")}
 
 
 def main(argv: list[str] | None = None) -> int:
