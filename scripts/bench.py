@@ -28,7 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from scripts import cpu_env, models, mods, pins
-from scripts.geometry_model import Case, expected
+from scripts.geometry_model import Case, expected, prompt_checkpoint
 from scripts.openai_client import cache_config_info, complete, counters, reset_prefix_cache
 from scripts.serve import Server
 
@@ -157,7 +157,7 @@ def run_pair(server: Server, tree: str, rep: int, shared: int, geo: dict) -> lis
     unit, num_spec = geo["unit"], geo["num_spec"]
     case = Case(geo["block"], unit, num_spec, shared, 1)
     want_b = expected(case, patched=tree == "patched").hit
-    resend = (len(b) // unit * unit - unit) if num_spec else (len(b) - 1) // unit * unit
+    resend = prompt_checkpoint(len(b), unit, bool(num_spec))
     rows = [
         measure(server, tree, a, "cold_A", 0, rep, shared),
         measure(server, tree, b, "cached_B", want_b, rep, shared),
@@ -184,11 +184,7 @@ def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: dict
             server, tree, prompt, f"turn{turn + 1}", expect, rep, shared, max_tokens=REPLY_TOKENS
         )
         rows.append(row)
-        expect = (
-            len(prompt) // unit * unit - unit
-            if geo["num_spec"]
-            else (len(prompt) - 1) // unit * unit
-        )
+        expect = prompt_checkpoint(len(prompt), unit, bool(geo["num_spec"]))
         prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
     return rows
 

@@ -53,10 +53,9 @@ def _wanted_stamp(source: Path, name: str, target: str) -> dict:
 
 
 def _hardlink_copy(source: Path, dest: Path) -> None:
-    def link(src: str, dst: str) -> None:
-        os.link(src, dst)
-
-    shutil.copytree(source, dest, copy_function=link, ignore=shutil.ignore_patterns(mods.LOCK_NAME))
+    shutil.copytree(
+        source, dest, copy_function=os.link, ignore=shutil.ignore_patterns(mods.LOCK_NAME)
+    )
 
 
 def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> Path:

@@ -42,6 +42,18 @@ class Case:
         return self.tail <= self.unit - r
 
 
+def prompt_checkpoint(prompt_len: int, unit: int, eagle: bool) -> int:
+    """Where a resend of a prompt, or a continuation of it, resumes.
+
+    EAGLE: full attention holds ``floor(N/H)*H`` and drops one unit, to where the
+    Mamba checkpoint is. Without EAGLE the last token is recomputed:
+    ``floor((N-1)/H)*H``.
+    """
+    if eagle:
+        return max(prompt_len // unit * unit - unit, 0)
+    return (prompt_len - 1) // unit * unit
+
+
 @dataclass(frozen=True)
 class Expected:
     chunk_ends: tuple[int, ...]

@@ -80,8 +80,11 @@ def _measure_tree(name: str, model_dir: Path) -> dict:
     return data
 
 
-def verdict(case: Case, unpatched: int, patched: int, want: int) -> str:
-    if patched != want:
+def verdict(case: Case, unpatched: int, patched: int) -> str:
+    if (unpatched, patched) != (
+        expected(case, patched=False).hit,
+        expected(case, patched=True).hit,
+    ):
         return "UNEXPECTED"
     if patched < unpatched:
         return "WORSE"
@@ -114,7 +117,7 @@ def build_report(unpatched: dict, patched: dict) -> dict:
                 "unpatched_fa": [u["fa_match"], u["fa_eagle"]],
                 "patched_fa": [p["fa_match"], p["fa_eagle"]],
                 "state_ok": u["state_ok"] and p["state_ok"],
-                "verdict": verdict(case, u["hit"], p["hit"], want.hit)
+                "verdict": verdict(case, u["hit"], p["hit"])
                 if u["state_ok"] and p["state_ok"]
                 else "STALE STATE",
             }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scripts.geometry_model import prompt_checkpoint
 from scripts.sched_harness import FULL_GROUP, MAMBA_GROUP, Geometry, SchedulerRig
 
 pytestmark = pytest.mark.cpu
@@ -17,14 +18,7 @@ def geometry(block: int, num_spec: int, fix: bool) -> Geometry:
 
 
 def continuation_hit(prev_prompt_len: int, eagle: bool) -> int:
-    """A continuation resumes at the previous prompt's checkpoint.
-
-    EAGLE: full attention holds ``floor(N/H)*H``, the drop lands one unit lower
-    where Mamba state exists. Without EAGLE: ``floor((N-1)/H)*H``.
-    """
-    if eagle:
-        return prev_prompt_len // UNIT * UNIT - UNIT
-    return (prev_prompt_len - 1) // UNIT * UNIT
+    return prompt_checkpoint(prev_prompt_len, UNIT, eagle)
 
 
 def user_message(turn: int, length: int) -> list[int]:
@@ -64,10 +58,7 @@ def test_exact_resend(tiny_model_dir, tree_is_patched, num_spec: int, prompt_len
     prompt = list(range(100, 100 + prompt_len))
     rig.run(prompt)
     resend = rig.run(prompt)
-    if num_spec:
-        assert resend.hit == prompt_len // UNIT * UNIT - UNIT
-    else:
-        assert resend.hit == (prompt_len - 1) // UNIT * UNIT
+    assert resend.hit == prompt_checkpoint(prompt_len, UNIT, eagle=num_spec > 0)
     assert resend.resumed_from_own_prefix()
 
 
