@@ -6,10 +6,10 @@ PYTHON ?= python3.11
 VENV_PY := .venv/bin/python
 TREES := unpatched patched
 
-.PHONY: help setup test test-cpu lint mods-list regress upstream-suite tiny-model bench bench-cpu \
-  bench-gb10 bench-strix report clean \
+.PHONY: help setup test lint mods-list regress upstream-suite tiny-model bench bench-cpu \
+  bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
   lock-models fetch-models verify-models export-models import-models \
-  build-gb10 build-strix build-cpu lint-images image-cpu-buildah
+  build-gb10 build-strix build-cpu lint-images
 
 help: ## list the targets with one line each
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -24,8 +24,6 @@ test: setup lint ## everything CI runs: lint, the suite on both trees, vLLM's ow
 	  KIT_TREE=$$tree $(VENV_PY) -m pytest -q -p no:cacheprovider || exit 1; \
 	done
 	$(VENV_PY) -m scripts.upstream_suite
-
-test-cpu: test ## alias: the CPU target's tests
 
 lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff check scripts tests
@@ -49,11 +47,32 @@ BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/benc
 report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU bundle) as Markdown
 	$(VENV_PY) -m scripts.report $(BUNDLES)
 
-bench-gb10: ## (not built yet) the DGX Spark end-to-end run; see README "Status"
-	@echo "$@: the GPU orchestration is not built yet; see README 'Status'" >&2; exit 2
+# The container flow (scripts/orchestrate.py): host check, images built or reused,
+# models verified offline, both suites inside both images, the TTFT comparison
+# on an isolated network, one bundle under results/.
+ENGINE ?= auto
+NODES ?= 1
+SHARED ?=
+ORCH = $(VENV_PY) -m scripts.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL))
+ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED))
 
-bench-strix: ## (not built yet) the Strix Halo end-to-end run; see README "Status"
-	@echo "$@: the GPU orchestration is not built yet; see README 'Status'" >&2; exit 2
+bench-gb10: setup ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
+	$(ORCH) gb10 $(ORCH_BENCH)
+
+bench-strix: setup ## Strix Halo: host check, images, offline models, suites and TTFT in containers, bundle
+	$(ORCH) strix $(ORCH_BENCH)
+
+bench-cpu-image: setup ## the same container flow for the cpu image (ENGINE=buildah without Docker)
+	$(ORCH) cpu $(ORCH_BENCH)
+
+test-gb10: setup ## the regression suite and vLLM's prefix suite inside both gb10 images
+	$(ORCH) gb10 --tests-only
+
+test-strix: setup ## the regression suite and vLLM's prefix suite inside both strix images
+	$(ORCH) strix --tests-only
+
+test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
+	$(ORCH) cpu --tests-only
 
 regress: setup ## geometry table, unpatched vs patched, JSON + Markdown under results/regression
 	$(VENV_PY) -m scripts.regress
@@ -72,9 +91,6 @@ build-strix: setup ## build the strix unpatched and patched images (docker build
 
 build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
 	$(VENV_PY) -m scripts.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
-
-image-cpu-buildah: setup ## (no Docker engine) build the cpu image stages with buildah and run the regression suite inside each
-	$(VENV_PY) -m scripts.buildah_proof
 
 lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores only)
 	.venv/bin/hadolint images/*/Dockerfile

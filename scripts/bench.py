@@ -19,9 +19,11 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -30,7 +32,7 @@ from pathlib import Path
 from scripts import cpu_env, models, mods, pins
 from scripts.geometry_model import Case, expected, prompt_checkpoint
 from scripts.openai_client import cache_config_info, complete, counters, reset_prefix_cache
-from scripts.serve import Server
+from scripts.serve import Server, server_command, server_env, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_TOKEN = 13
@@ -105,10 +107,10 @@ def locked_serve_args(key: str, store: Path, unit: int) -> tuple[list[str], int]
     ], num_spec
 
 
-def fix_flags() -> list[str]:
+def fix_flags(target: str) -> list[str]:
     return [
         m.manifest["enable_flag"]
-        for m in mods.mods_for_target("cpu", "patched")
+        for m in mods.mods_for_target(target, "patched")
         if "enable_flag" in m.manifest
     ]
 
@@ -310,6 +312,20 @@ def main(argv: list[str] | None = None) -> int:
         "instead of starting them",
     )
     parser.add_argument(
+        "--serve-only",
+        choices=TREES,
+        help="become this server (the installed vLLM, e.g. inside an image) instead of "
+        "benchmarking; with --host/--port",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="for --serve-only")
+    parser.add_argument("--port", type=int, default=8000, help="for --serve-only")
+    parser.add_argument(
+        "--target",
+        choices=mods.TARGETS,
+        default="cpu",
+        help="whose patched-stage switches the patched server gets (default: %(default)s)",
+    )
+    parser.add_argument(
         "--locked-model",
         metavar="KEY",
         help="serve this models.lock entry (verified offline first) instead of "
@@ -331,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     label = args.locked_model or "cpu"
     out = args.out or ROOT / "results" / f"{stamp}-{label}-{os.urandom(3).hex()}"
-    if not args.print_serve_args:
+    writes_results = not (args.print_serve_args or args.serve_only)
+    if writes_results:
         out.mkdir(parents=True, exist_ok=True)
     if args.locked_model:
         try:
@@ -341,37 +358,46 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         env = {}
     else:
-        model_dir = write_tiny_model(
-            ROOT / ".models" / "tiny-qwen3-next"
-            if args.print_serve_args
-            else out / "tiny-qwen3-next"
-        )
+        if args.serve_only:  # inside an image the kit's folder is read-only
+            model_home = Path(tempfile.gettempdir()) / "kit-tiny-qwen3-next"
+        elif args.print_serve_args:
+            model_home = ROOT / ".models" / "tiny-qwen3-next"
+        else:
+            model_home = out / "tiny-qwen3-next"
+        model_dir = write_tiny_model(model_home)
         base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec)
         num_spec, env = args.num_spec, {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    patched_extra = fix_flags(args.target)
     if args.print_serve_args:
-        # For an orchestrator that starts the servers itself (one per image).
-        print(json.dumps({"args": base, "patched_extra": fix_flags(), "env": env}))
+        print(json.dumps({"args": base, "patched_extra": patched_extra, "env": env}))
         return 0
-    geo = {"block": args.block, "unit": args.unit, "num_spec": num_spec}
-    servers = {
-        tree: Server(
-            tree,
-            base + (fix_flags() if tree == "patched" else []),
-            out / "logs" / f"server-{tree}.log",
-            pythonpath=str(cpu_env.ensure_tree(tree).parent),
-            env=env,
-            startup_timeout=args.startup_timeout,
+    if args.serve_only:
+        cmd = server_command(
+            args.host, args.port, base + (patched_extra if args.serve_only == "patched" else [])
         )
-        for tree in TREES
-    }
+        print("$ " + shlex.join(cmd), flush=True)
+        os.execve(cmd[0], cmd, server_env(env))
+    geo = {"block": args.block, "unit": args.unit, "num_spec": num_spec}
     external = dict(item.split("=", 1) for item in args.server_url)
     if external and set(external) != set(TREES):
         parser.error("--server-url needs both unpatched=URL and patched=URL")
+    servers = {
+        tree: Server(
+            tree,
+            base + (patched_extra if tree == "patched" else []),
+            out / "logs" / f"server-{tree}.log",
+            pythonpath=None if external else str(cpu_env.ensure_tree(tree).parent),
+            env=env,
+            startup_timeout=args.startup_timeout,
+            url_override=external[tree].rstrip("/") if external else None,
+        )
+        for tree in TREES
+    }
     rows: list[dict] = []
     with ExitStack() as stack:
         if external:
-            for tree, url in external.items():
-                servers[tree].url_override = url.rstrip("/")
+            for tree, server in servers.items():
+                wait_healthy(server.url, args.startup_timeout, name=tree)
         else:
             print(f"starting both servers (logs in {out / 'logs'})", flush=True)
             with ThreadPoolExecutor(max_workers=2) as pool:
@@ -414,7 +440,12 @@ def main(argv: list[str] | None = None) -> int:
             "host": host_provenance(),
             "pins_sha256": pins.file_sha256(),
             "vllm": pins.get("vllm.version"),
-            "trees": {t: mods.read_provenance(cpu_env.ensure_tree(t)) for t in TREES},
+            # External servers (one per image): the orchestrator's manifest has
+            # the images' provenance.
+            "trees": {}
+            if external
+            else {t: mods.read_provenance(cpu_env.ensure_tree(t)) for t in TREES},
+            "servers": {t: s.url for t, s in servers.items()},
             "commands": {
                 "bench": [sys.executable, "-m", "scripts.bench", *sys.argv[1:]],
                 **{t: s.args for t, s in servers.items()},

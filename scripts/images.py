@@ -2,13 +2,17 @@
 
 Builds use the ``docker buildx build`` CLI (BuildKit) rather than the Docker SDK:
 the SDK's build API talks to the legacy builder, which lacks the cache mounts and
-``# syntax`` features the Dockerfiles use. Build arguments come from pins.toml.
+``# syntax`` features the Dockerfiles use. Where only Podman is installed,
+``podman build`` (buildah underneath, which has the same RUN mounts) takes its
+place. Build arguments come from pins.toml.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +23,39 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("unpatched", "patched")
 
 
+# What the Dockerfiles COPY into /opt/kit; their hash labels the image.
+KIT_SOURCES = ("pins.toml", "pyproject.toml", "models.lock", "scripts", "mods", "tests")
+SOURCE_LABEL = "io.hybrid-prefix-kit.source.sha256"
+PINS_LABEL = "io.hybrid-prefix-kit.pins.sha256"
+
+
+def source_sha256() -> str:
+    """One hash over the kit files an image carries, so a stale image is never reused."""
+    digest = hashlib.sha256()
+    for name in KIT_SOURCES:
+        top = ROOT / name
+        files = [top] if top.is_file() else sorted(top.rglob("*"))
+        for path in files:
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(ROOT)).encode() + b"\0")
+                digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
 def build_args(target: str) -> dict[str, str]:
     args = pins.build_args(target)
     args["KIT_MODS"] = ",".join(
         f"{m.name}@{m.patch_sha256[:16]}" for m in mods.mods_for_target(target, "patched")
     )
+    args["KIT_SOURCE_SHA256"] = source_sha256()
     return args
+
+
+def is_current(labels: dict[str, str]) -> bool:
+    """An image built from these pins and these kit sources."""
+    return (
+        labels.get(SOURCE_LABEL) == source_sha256() and labels.get(PINS_LABEL) == pins.file_sha256()
+    )
 
 
 def image_tag(target: str, stage: str) -> str:
@@ -40,11 +71,11 @@ def docker_build_cmd(target: str, stage: str, base_image: str | None = None) -> 
             f"images.{target}.base in pins.toml is {args['BASE_IMAGE']!r}: resolve its digest "
             "(docker buildx imagetools inspect) or pass BASE_IMAGE=… to build anyway"
         )
-    cmd = [
-        "docker",
-        "buildx",
-        "build",
-        "--load",
+    if shutil.which("docker") or not shutil.which("podman"):
+        cmd = ["docker", "buildx", "build", "--load"]
+    else:
+        cmd = ["podman", "build", "--format", "docker"]  # the OCI format drops SHELL
+    cmd += [
         "--target",
         stage,
         "-t",
@@ -85,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError:
-        print("error: docker with the buildx plugin is needed to build images", file=sys.stderr)
+        print(
+            "error: docker with the buildx plugin (or podman) is needed to build images",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

@@ -28,6 +28,44 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_command(host: str, port: int, args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *args,
+    ]
+
+
+def server_env(extra: dict[str, str], pythonpath: str | None = None) -> dict[str, str]:
+    env = dict(os.environ, **extra)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache (the cold reference)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def wait_healthy(url: str, timeout: float, alive=lambda: True, name: str = "server") -> None:
+    """Poll ``/health`` until it answers 200; ``alive`` says whether waiting still makes sense."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise ServerError(f"{name}: exited during startup")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    raise ServerError(f"{name}: not healthy after {timeout:.0f} s at {url}")
+
+
 @dataclass
 class Server:
     """One vLLM OpenAI-compatible server; use as a context manager."""
@@ -49,23 +87,8 @@ class Server:
 
     def start(self) -> Server:
         self.port = self.port or free_port()
-        env = dict(os.environ, **self.env)
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache (the cold reference)
-        if self.pythonpath:
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (self.pythonpath, env.get("PYTHONPATH", "")) if p
-            )
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *self.args,
-        ]
+        env = server_env(self.env, self.pythonpath)
+        cmd = server_command("127.0.0.1", self.port, self.args)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")
         log.write("$ " + " ".join(cmd) + "\n")
@@ -77,24 +100,17 @@ class Server:
         return self
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+        try:
+            wait_healthy(self.url, self.startup_timeout, self.alive, self.name)
+        except ServerError as exc:
+            died = not self.alive()
+            self.stop()
+            if died:
                 raise ServerError(
                     f"{self.name}: server exited with {self.process.returncode} "
                     f"during startup; last log lines:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise ServerError(
-            f"{self.name}: not healthy after {self.startup_timeout:.0f} s; log: {self.log_path}"
-        )
+                ) from exc
+            raise ServerError(f"{exc}; log: {self.log_path}") from exc
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -92,12 +92,16 @@ def extract_tests(sdist: Path) -> Path:
     return dest
 
 
-def _start(tree_name: str, tests_dir: Path, out_dir: Path) -> tuple[subprocess.Popen, Path]:
-    tree = cpu_env.ensure_tree(tree_name)
-    junit = out_dir / f"upstream-{tree_name}.xml"
+def start_suite(
+    name: str, tests_dir: Path, out_dir: Path, vllm_parent: Path | None
+) -> tuple[subprocess.Popen, Path]:
+    """Run the suite against the vLLM under ``vllm_parent`` (None: the installed one)."""
+    junit = out_dir / f"upstream-{name}.xml"
+    path = [str(vllm_parent)] if vllm_parent else []
     env = dict(
         os.environ,
-        PYTHONPATH=f"{tree.parent}{os.pathsep}{tests_dir}",
+        PYTHONPATH=os.pathsep.join([*path, str(tests_dir)]),
+        PYTHONDONTWRITEBYTECODE="1",  # the tests may sit on a read-only mount
         HF_HUB_OFFLINE="1",
         VLLM_LOGGING_LEVEL="ERROR",
     )
@@ -118,7 +122,7 @@ def _start(tree_name: str, tests_dir: Path, out_dir: Path) -> tuple[subprocess.P
         f"--junitxml={junit}",
     ]
     cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
-    log = (out_dir / f"upstream-{tree_name}.log").open("w")
+    log = (out_dir / f"upstream-{name}.log").open("w")
     return subprocess.Popen(
         cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT
     ), junit
@@ -153,10 +157,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     # Both trees at once: one core each.
-    runs = {name: _start(name, tests_dir, args.out_dir) for name in cpu_env.TREE_NAMES}
+    runs = {
+        name: start_suite(name, tests_dir, args.out_dir, cpu_env.ensure_tree(name).parent)
+        for name in cpu_env.TREE_NAMES
+    }
     for proc, _ in runs.values():
         proc.wait()
     results = {name: outcomes(junit) for name, (_, junit) in runs.items()}
+    report, verdict, ok = compare(results)
+    (args.out_dir / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(verdict)
+    return 0 if ok else 1
+
+
+def compare(results: dict[str, dict[str, str]]) -> tuple[dict, str, bool]:
+    """The patched side must pass every case the unpatched side passes."""
     unpatched, patched = results["unpatched"], results["patched"]
     lost = sorted(n for n, o in unpatched.items() if o == "passed" and patched.get(n) != "passed")
     summary = {
@@ -169,18 +184,16 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "passed_unpatched_not_patched": lost,
     }
-    (args.out_dir / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
-    for name, counts in summary.items():
-        print(f"{name:10s} {counts}")
-    print(f"deselected (need a GPU and Qwen/Qwen3.5-0.8B): {len(NEEDS_GPU_AND_HUB)}")
+    lines = [f"{name:10s} {counts}" for name, counts in summary.items()]
+    lines.append(f"deselected (need a GPU and Qwen/Qwen3.5-0.8B): {len(NEEDS_GPU_AND_HUB)}")
     if lost:
-        print("patched tree fails cases the unpatched tree passes:\n  " + "\n  ".join(lost))
-        return 1
+        lines.append("patched fails cases the unpatched passes:\n  " + "\n  ".join(lost))
+        return report, "\n".join(lines), False
     if summary["unpatched"]["passed"] == 0:
-        print("no upstream case passed on the unpatched tree; the suite did not run")
-        return 1
-    print("patched tree passes every case the unpatched tree passes")
-    return 0
+        lines.append("no upstream case passed on the unpatched side; the suite did not run")
+        return report, "\n".join(lines), False
+    lines.append("patched passes every case the unpatched passes")
+    return report, "\n".join(lines), True
 
 
 if __name__ == "__main__":

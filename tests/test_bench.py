@@ -98,7 +98,9 @@ def server(tmp_path_factory, tree_path: str):
     from scripts.tiny_model import write_tiny_model
 
     home = tmp_path_factory.mktemp("bench")
-    args = bench.cpu_serve_args(write_tiny_model(home / "tiny"), 1024, 16, 1) + bench.fix_flags()
+    args = bench.cpu_serve_args(write_tiny_model(home / "tiny"), 1024, 16, 1) + bench.fix_flags(
+        "cpu"
+    )
     with Server(
         "patched",
         args,

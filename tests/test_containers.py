@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 
 from scripts.containers import RUN_SPECS, BuildahEngine, DockerEngine, EngineUnavailable
-from scripts.images import image_tag
 
 pytestmark = pytest.mark.cpu
 
@@ -61,19 +57,8 @@ OFFLINE_PROBE = (
 
 
 @pytest.mark.container
-def test_buildah_engine_runs_offline_in_the_cpu_image() -> None:
-    tag = f"localhost/{image_tag('cpu', 'patched')}"
-    have = subprocess.run(
-        ["buildah", "--storage-driver", "vfs", "images", "-q", tag], capture_output=True, text=True
-    )
-    if have.returncode != 0 or not have.stdout.strip():
-        pytest.skip(f"{tag} not built here; run 'make image-cpu-buildah'")
+def test_buildah_engine_runs_offline_in_the_cpu_image(cpu_images) -> None:
     with BuildahEngine() as engine:
-        done = engine.run(
-            tag,
-            ["python", "-c", OFFLINE_PROBE],
-            RUN_SPECS["cpu"],
-        )
+        done = engine.run(cpu_images["patched"], ["python", "-c", OFFLINE_PROBE], RUN_SPECS["cpu"])
         assert done.returncode == 0, done.output  # the network is cut off
-        assert not engine.started  # nothing left behind
-    assert shutil.which("buildah")
+    assert not engine.started and not engine.processes  # nothing left behind

@@ -1,0 +1,468 @@
+"""`make bench-<target>`: from a clean box to a reviewer-ready results bundle, in containers.
+
+Steps, each stopping early with the fix when something is missing:
+  1. host check (driver, device nodes, groups, memory, disk, GTT on Strix);
+  2. the unpatched and patched images: reused when their labels match these pins
+     and these kit sources, else built (Docker: ``docker buildx``/BuildKit;
+     buildah for the cpu image where no engine exists);
+  3. the models, verified offline against models.lock (the cpu image serves a
+     tiny random-weight model it writes itself: nothing to verify);
+  4. inside both images, with no network: the kit's regression suite, every
+     geometry measured, and vLLM's own tests/v1/core/prefix_cache;
+  5. the TTFT comparison: one server per image plus a client container, all on
+     an isolated network that reaches nothing else (proof that nothing is
+     fetched at run time), interleaved A B / B A as in ``scripts.bench``;
+  6. the bundle ``results/<date>-<target>-<id>/`` with ``provenance.json``.
+
+Every container, server and network the run starts is removed when it ends,
+fails or is interrupted (Ctrl-C, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+from scripts import (
+    buildah_build,
+    hostcheck,
+    images,
+    models,
+    mods,
+    pins,
+    regress,
+    upstream_suite,
+)
+from scripts.containers import (
+    RUN_SPECS,
+    EngineUnavailable,
+    Mount,
+    engine_for,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = images.STAGES
+PORTS = {"unpatched": 8001, "patched": 8002}
+MIN_FREE_DISK_GIB = {"cpu": 12, "gb10": 120, "strix": 150}
+IN_IMAGE_OUT = "/out"
+IN_IMAGE_MODELS = "/models"
+IN_IMAGE_UPSTREAM = "/upstream-tests"
+
+
+class OrchestrateError(RuntimeError):
+    pass
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# 1. host ------------------------------------------------------------------------
+
+
+def check_host(target: str, disk_path: Path, probe: hostcheck.Probe | None = None) -> dict:
+    probe = probe or hostcheck.Probe()
+    findings = hostcheck.CHECKS[target](probe) if target in hostcheck.CHECKS else []
+    free = shutil.disk_usage(disk_path).free / hostcheck.GIB
+    need = MIN_FREE_DISK_GIB[target]
+    findings.append(
+        hostcheck.Finding(
+            free >= need,
+            "free disk",
+            f"{free:.0f} GiB free under {disk_path}",
+            "" if free >= need else f"free at least {need} GiB (images and models)",
+        )
+    )
+    failed = [f for f in findings if not f.ok]
+    if failed:
+        raise OrchestrateError(
+            "host check failed:\n"
+            + "\n".join(f"  {f.check}: {f.detail}\n    fix: {f.fix}" for f in failed)
+        )
+    return {
+        "checks": [f.__dict__ for f in findings],
+        "record": hostcheck.host_record(probe),
+    }
+
+
+# 2. images ----------------------------------------------------------------------
+
+
+def image_ref(engine_kind: str, target: str, stage: str) -> str:
+    tag = images.image_tag(target, stage)
+    return f"localhost/{tag}" if engine_kind == "buildah" else tag
+
+
+def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
+    """Reuse an image only when it was built from these pins and kit sources."""
+    found = {}
+    for stage in STAGES:
+        ref = image_ref(engine.kind, target, stage)
+        info = engine.image_info(ref)
+        current = bool(info) and images.is_current(info["labels"])
+        reused = bool(info) and (current or plan.reuse_stale) and not plan.rebuild
+        if not reused:
+            log(f"building {ref}")
+            if engine.kind == "buildah":
+                buildah_build.build(stage)
+            else:
+                cmd = images.docker_build_cmd(target, stage, plan.base_image)
+                log("+ " + shlex.join(cmd))
+                subprocess.run(cmd, check=True)
+            info = engine.image_info(ref)
+            if not info or not images.is_current(info["labels"]):
+                raise OrchestrateError(f"{ref}: built, but its labels do not match the kit")
+            current = True
+        else:
+            log(f"reusing {ref} ({info['id'][:19]}){'' if current else ' STALE: --reuse-stale'}")
+        found[stage] = {
+            "ref": ref,
+            "id": info["id"],
+            "labels": info["labels"],
+            "reused": reused,
+            "built_from_these_sources": current,
+        }
+    return found
+
+
+# 3. models ----------------------------------------------------------------------
+
+
+def bench_model(target: str, key: str | None, store: Path) -> models.Entry | None:
+    """The target's primary model (or ``key``), verified offline; None for the cpu image."""
+    if target == "cpu":
+        return None
+    try:
+        _, entries = models.load()
+        chosen = [e for e in models.select(entries, key, target) if e.fields.get("enabled", True)]
+        if key is None:
+            chosen = [e for e in chosen if e.fields.get("role") == "primary"]
+        if len(chosen) != 1:
+            raise OrchestrateError(
+                f"{target}: {len(chosen)} enabled candidate models in models.lock; pass MODEL=<key>"
+            )
+        models.verify(chosen, store)
+    except (models.LockError, models.VerifyError) as exc:
+        raise OrchestrateError(
+            f"models: {exc}\n(on an offline box: 'make import-models MODELS_TAR=…')"
+        ) from exc
+    return chosen[0]
+
+
+# 4. suites inside both images -------------------------------------------------------
+
+
+def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: Path) -> dict:
+    spec = RUN_SPECS[target]  # network cut off
+    outs = {}
+    boxes = {}
+    for stage in STAGES:
+        outs[stage] = _writable(bundle / "suites" / stage)
+        command = ["python", "-m", "scripts.image_suites", "--stage", stage]
+        command += ["--out", IN_IMAGE_OUT, "--upstream-tests", IN_IMAGE_UPSTREAM]
+        mounts = (
+            Mount(str(outs[stage]), IN_IMAGE_OUT, writable=True),
+            Mount(str(upstream_tests), IN_IMAGE_UPSTREAM),
+        )
+        log(f"suites in {found[stage]['ref']}")
+        name = f"kit-suites-{stage}-{os.urandom(3).hex()}"
+        boxes[stage] = engine.start(found[stage]["ref"], command, spec, name, mounts)
+    codes = {stage: box.wait(timeout=4 * 3600) for stage, box in boxes.items()}
+    for stage, box in boxes.items():
+        (outs[stage] / "container.log").write_text(box.logs())
+        box.stop()
+    problems = [
+        f"{stage}: the in-image suites exited {code}; see {outs[stage]}"
+        for stage, code in codes.items()
+        if code != 0
+    ]
+    provenance = {s: _read_json(outs[s] / "provenance.json") for s in STAGES}
+    measured = {s: _read_json(outs[s] / "regress.json") for s in STAGES}
+    summary: dict = {
+        "regression_suite": {s: _junit_counts(outs[s] / "regression-suite.xml") for s in STAGES}
+    }
+    if all(measured.values()):
+        for stage in STAGES:
+            measured[stage]["provenance"] = provenance[stage]
+        table = regress.build_report(measured["unpatched"], measured["patched"])
+        out = bundle / "regression"
+        out.mkdir(exist_ok=True)
+        (out / "regression.json").write_text(json.dumps(table, indent=1) + "\n")
+        (out / "regression.md").write_text(regress.render_markdown(table))
+        summary["regression_table"] = table["summary"]
+        bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(table["summary"])
+        if bad or not table["geometry_identical"]:
+            problems.append(f"regression table: {table['summary']}; see {out}")
+    junits = {s: outs[s] / f"upstream-{s}.xml" for s in STAGES}
+    if all(j.is_file() for j in junits.values()):
+        report, verdict, ok = upstream_suite.compare(
+            {s: upstream_suite.outcomes(j) for s, j in junits.items()}
+        )
+        (bundle / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
+        summary["upstream_suite"] = report["summary"]
+        log("vLLM prefix suite:\n" + verdict)
+        if not ok:
+            problems.append("vLLM's prefix suite: " + verdict.splitlines()[-1])
+    else:
+        problems.append("vLLM's prefix suite did not run in both images")
+    unpatched_suite = summary["regression_suite"]["unpatched"]
+    if not unpatched_suite.get("xfailed") and not unpatched_suite.get("skipped"):
+        problems.append(f"unpatched image: no regression case failed ({unpatched_suite})")
+    if problems:
+        raise OrchestrateError("\n".join(problems))
+    return {"summary": summary, "image_provenance": provenance}
+
+
+def _junit_counts(path: Path) -> dict:
+    counts = {"passed": 0, "failed": 0, "xfailed": 0, "skipped": 0}
+    if not path.is_file():
+        return counts
+    for case in ET.parse(path).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        skipped = case.find("skipped")
+        if kinds & {"failure", "error"}:
+            counts["failed"] += 1
+        elif skipped is not None and skipped.get("type") == "pytest.xfail":
+            counts["xfailed"] += 1
+        elif skipped is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts
+
+
+# 5. the TTFT comparison ----------------------------------------------------------
+
+
+def bench_args(plan: argparse.Namespace, model: models.Entry | None) -> list[str]:
+    args = ["--target", plan.target]
+    if model is not None:
+        args += ["--locked-model", model.key, "--store", IN_IMAGE_MODELS]
+    return args
+
+
+def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict]:
+    spec = RUN_SPECS[plan.target]
+    mounts = (Mount(str(plan.store), IN_IMAGE_MODELS),) if model is not None else ()
+    commands = {}
+    _writable(bundle)
+    logs = bundle / "logs"
+    logs.mkdir(exist_ok=True)
+    with engine.network() as net:
+        servers = {}
+        for stage in STAGES:
+            command = ["python", "-m", "scripts.bench", "--serve-only", stage]
+            command += ["--host", "0.0.0.0", "--port", str(PORTS[stage])]
+            command += bench_args(plan, model)
+            name = f"{net.name}-{stage}"
+            commands[f"server-{stage}"] = command
+            servers[stage] = engine.start(found[stage]["ref"], command, spec, name, mounts, net)
+        urls = [
+            f"{stage}=http://{net.address(f'{net.name}-{stage}')}:{PORTS[stage]}"
+            for stage in STAGES
+        ]
+        client = ["python", "-m", "scripts.bench", "--out", IN_IMAGE_OUT, "--reps", str(plan.reps)]
+        client += [arg for url in urls for arg in ("--server-url", url)]
+        client += ["--shared", *map(str, plan.shared)] if plan.shared else []
+        client += bench_args(plan, model)
+        commands["client"] = client
+        log("TTFT comparison: both servers and the client on an isolated network")
+        box = engine.start(
+            found["patched"]["ref"],
+            client,
+            spec,
+            f"{net.name}-client",
+            (*mounts, Mount(str(bundle), IN_IMAGE_OUT, writable=True)),
+            net,
+        )
+        try:
+            code = _watch(box, servers)
+        finally:
+            (logs / "bench-client.log").write_text(box.logs())
+            for stage, server in servers.items():
+                server.stop()
+                (logs / f"server-{stage}.log").write_text(server.logs())
+    return code, commands
+
+
+def _watch(client, servers: dict) -> int:
+    """Wait for the client; a server that dies stops the run with its name."""
+    while client.alive():
+        for stage, server in servers.items():
+            if not server.alive():
+                client.stop()
+                tail = "\n".join(server.logs().splitlines()[-15:])
+                raise OrchestrateError(f"the {stage} server exited during the run:\n{tail}")
+        time.sleep(2)
+    return client.wait(timeout=60)
+
+
+# 6. the bundle -----------------------------------------------------------------
+
+
+def _writable(path: Path) -> Path:
+    # The images run as uid 10001; the bundle stays owned by whoever runs the kit.
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o777)
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def kit_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return done.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def manifest(plan, engine, host: dict, found: dict, suites: dict, model, commands: dict) -> dict:
+    image_prov = suites.get("image_provenance", {})
+    return {
+        "target": plan.target,
+        "flow": "tests only" if plan.tests_only else "tests and TTFT comparison",
+        "engine": engine.kind,
+        "host": host,
+        "images": {
+            stage: {
+                "ref": info["ref"],
+                "id": info["id"],
+                "reused": info["reused"],
+                "built_from_these_sources": info["built_from_these_sources"],
+                "labels": info["labels"],
+                "provenance": image_prov.get(stage, {}),
+            }
+            for stage, info in found.items()
+        },
+        "vllm": {
+            "version": pins.get("vllm.version"),
+            "commit": pins.get("vllm.commit"),
+            "commit_abbrev": pins.get("vllm.commit_abbrev"),
+        },
+        "mods": image_prov.get("patched", {}).get("mods", []),
+        "pins_sha256": pins.file_sha256(),
+        "models_lock_sha256": pins.file_sha256(models.LOCK),
+        "model": None if model is None else {"key": model.key, **model.fields},
+        "kit_commit": kit_commit(),
+        "kit_source_sha256": images.source_sha256(),
+        "suites": suites.get("summary", {}),
+        "commands": {
+            "orchestrator": [sys.executable, "-m", "scripts.orchestrate", *plan.argv],
+            **commands,
+        },
+        "network": "containers on an isolated network with no route out",
+    }
+
+
+# ---------------------------------------------------------------------------
+
+
+def _interrupt_on_sigterm() -> Callable:
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def run(plan: argparse.Namespace) -> Path:
+    if plan.nodes != 1:
+        raise OrchestrateError(
+            f"NODES={plan.nodes}: multi-node runs are planned, not built; see README "
+            "'Plan: two DGX Sparks'"
+        )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    bundle = plan.out or ROOT / "results" / f"{stamp}-{plan.target}-{os.urandom(3).hex()}"
+    log(f"host check ({plan.target})")
+    host = check_host(plan.target, ROOT)
+    model = bench_model(plan.target, plan.model, plan.store)
+    upstream_tests = upstream_suite.extract_tests(upstream_suite.sdist_path())
+    with engine_for(plan.engine, plan.target) as engine:
+        found = ensure_images(engine, plan.target, plan)
+        bundle.mkdir(parents=True, exist_ok=True)
+        suites, commands, code = {}, {}, 0
+        try:
+            suites = run_suites(engine, found, plan.target, bundle, upstream_tests)
+            log(f"suites: {json.dumps(suites['summary'])}")
+            if not plan.tests_only:
+                code, commands = run_bench(engine, found, plan, model, bundle)
+        finally:
+            data = manifest(plan, engine, host, found, suites, model, commands)
+            (bundle / "provenance.json").write_text(json.dumps(data, indent=1) + "\n")
+    if code != 0:
+        raise OrchestrateError(
+            f"the TTFT client exited {code} (correctness oracle or a request failed); "
+            f"see {bundle / 'logs' / 'bench-client.log'}"
+        )
+    return bundle
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("target", choices=("gb10", "strix", "cpu"))
+    parser.add_argument(
+        "--engine",
+        choices=("auto", "docker", "buildah"),
+        default="auto",
+        help="auto: Docker/Podman through the Docker SDK if reachable, else buildah "
+        "(cpu only) (default: %(default)s)",
+    )
+    parser.add_argument("--reps", type=int, default=10, help="TTFT repetitions")
+    parser.add_argument("--shared", type=int, nargs="+", help="context lengths (bench default)")
+    parser.add_argument("--model", help="models.lock key (default: the target's primary)")
+    parser.add_argument("--store", type=Path, default=models.DEFAULT_STORE)
+    parser.add_argument("--nodes", type=int, default=1, help="DGX Spark boxes (only 1 today)")
+    parser.add_argument("--tests-only", action="store_true", help="stop after the suites")
+    parser.add_argument("--rebuild", action="store_true", help="build even if images match")
+    parser.add_argument("--base-image", help="override the pinned base image")
+    parser.add_argument(
+        "--reuse-stale",
+        action="store_true",
+        help="(kit development) reuse images built from other kit sources; the manifest records it",
+    )
+    parser.add_argument("--out", type=Path, help="bundle folder (default: results/<date>-…)")
+    plan = parser.parse_args(argv)
+    plan.argv = list(argv if argv is not None else sys.argv[1:])
+    plan.store = plan.store.resolve()
+    previous = _interrupt_on_sigterm()
+    try:
+        bundle = run(plan)
+    except (
+        OrchestrateError,
+        EngineUnavailable,
+        mods.ModError,
+        buildah_build.BuildError,
+        upstream_suite.SuiteError,
+        subprocess.CalledProcessError,
+        TimeoutError,
+    ) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: every container the run started was removed", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log(f"bundle: {bundle}  (render with: make report BUNDLES={bundle})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
