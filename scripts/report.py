@@ -21,14 +21,42 @@ class BundleError(RuntimeError):
     pass
 
 
-def load(bundle: Path) -> dict:
-    path = bundle / "bench.json"
-    if not path.is_file():
-        raise BundleError(f"{bundle}: no bench.json; pass a folder written by 'make bench'")
+def _json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise BundleError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def load(bundle: Path) -> dict:
+    path = bundle / "bench.json"
+    if not path.is_file():
+        raise BundleError(
+            f"{bundle}: no bench.json; pass a folder written by "
+            "'make bench' or 'make bench-<target>'"
+        )
+    report = _json(path)
+    # Bundles from the container flow also carry the run's manifest.
+    manifest = bundle / "provenance.json"
+    report["manifest"] = _json(manifest) if manifest.is_file() else None
+    return report
+
+
+def manifest_lines(manifest: dict) -> list[str]:
+    lines = [
+        f"  - target {manifest['target']}, engine {manifest['engine']}, "
+        f"kit {manifest['kit_commit'][:12]}, models.lock {manifest['models_lock_sha256'][:12]}, "
+        f"model {(manifest.get('model') or {}).get('repo', 'tiny random-weight (cpu)')}"
+    ]
+    for stage, image in manifest["images"].items():
+        mods = ", ".join(
+            f"{m['name']} ({m['patch_sha256'][:12]})"
+            for m in image.get("provenance", {}).get("mods", [])
+        )
+        lines.append(f"  - {stage} image {image['id'][:19]}: {mods or 'no mods'}")
+    for suite, result in manifest.get("suites", {}).items():
+        lines.append(f"  - {suite}: {result}")
+    return lines
 
 
 def provenance_lines(name: str, report: dict) -> list[str]:
@@ -42,6 +70,8 @@ def provenance_lines(name: str, report: dict) -> list[str]:
     for tree, record in prov["trees"].items():
         mods = ", ".join(f"{m['name']} ({m['patch_sha256'][:12]})" for m in record.get("mods", []))
         lines.append(f"  - {tree}: {mods or 'no mods'}")
+    if report.get("manifest"):
+        lines += manifest_lines(report["manifest"])
     return lines
 
 
