@@ -252,6 +252,7 @@ def bench_args(plan: argparse.Namespace, model: models.Entry | None) -> list[str
 
 
 def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict]:
+    """Returns the client's exit status and what the manifest records of the run."""
     spec = RUN_SPECS[plan.target]
     mounts = (Mount(str(plan.store), IN_IMAGE_MODELS),) if model is not None else ()
     commands = {}
@@ -292,7 +293,17 @@ def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict
             for stage, server in servers.items():
                 server.stop()
                 (logs / f"server-{stage}.log").write_text(server.logs())
-    return code, commands
+    weights = {stage: _weights_line(logs / f"server-{stage}.log") for stage in STAGES}
+    if model is None and len(set(weights.values())) != 1:
+        raise OrchestrateError(f"the two images served different tiny weights: {weights}")
+    return code, {"commands": commands, "tiny_weights_sha256": weights}
+
+
+def _weights_line(server_log: Path) -> str | None:
+    for line in server_log.read_text(errors="replace").splitlines():
+        if line.startswith("tiny model weights sha256 "):
+            return line.split()[-1]
+    return None
 
 
 def _watch(client, servers: dict) -> int:
@@ -332,7 +343,7 @@ def kit_commit() -> str:
     return done.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def manifest(plan, engine, host: dict, found: dict, suites: dict, model, commands: dict) -> dict:
+def manifest(plan, engine, host: dict, found: dict, suites: dict, model, bench: dict) -> dict:
     image_prov = suites.get("image_provenance", {})
     return {
         "target": plan.target,
@@ -358,13 +369,15 @@ def manifest(plan, engine, host: dict, found: dict, suites: dict, model, command
         "mods": image_prov.get("patched", {}).get("mods", []),
         "pins_sha256": pins.file_sha256(),
         "models_lock_sha256": pins.file_sha256(models.LOCK),
-        "model": None if model is None else {"key": model.key, **model.fields},
+        "model": {"key": model.key, **model.fields}
+        if model
+        else {"tiny_weights_sha256": bench.get("tiny_weights_sha256")},
         "kit_commit": kit_commit(),
         "kit_source_sha256": images.source_sha256(),
         "suites": suites.get("summary", {}),
         "commands": {
             "orchestrator": [sys.executable, "-m", "scripts.orchestrate", *plan.argv],
-            **commands,
+            **bench.get("commands", {}),
         },
         "network": "containers on an isolated network with no route out",
     }
@@ -395,20 +408,27 @@ def run(plan: argparse.Namespace) -> Path:
     with engine_for(plan.engine, plan.target) as engine:
         found = ensure_images(engine, plan.target, plan)
         bundle.mkdir(parents=True, exist_ok=True)
-        suites, commands, code = {}, {}, 0
+        suites, bench, code = {}, {}, 0
         try:
             suites = run_suites(engine, found, plan.target, bundle, upstream_tests)
             log(f"suites: {json.dumps(suites['summary'])}")
             if not plan.tests_only:
-                code, commands = run_bench(engine, found, plan, model, bundle)
+                code, bench = run_bench(engine, found, plan, model, bundle)
         finally:
-            data = manifest(plan, engine, host, found, suites, model, commands)
+            data = manifest(plan, engine, host, found, suites, model, bench)
             (bundle / "provenance.json").write_text(json.dumps(data, indent=1) + "\n")
     if code != 0:
         raise OrchestrateError(
-            f"the TTFT client exited {code} (correctness oracle or a request failed); "
-            f"see {bundle / 'logs' / 'bench-client.log'}"
+            f"the TTFT client exited {code}; see {bundle / 'logs' / 'bench-client.log'}"
         )
+    if not plan.tests_only:
+        oracle = _read_json(bundle / "bench.json").get("oracle", {})
+        verdict = (
+            "cached answers equal cold ones"
+            if oracle.get("all_same_tokens")
+            else (f"CACHED ANSWERS DIFFER FROM COLD ONES at (tree, S) {oracle.get('mismatches')}")
+        )
+        log(f"correctness oracle: {verdict}; max |logprob diff| {oracle.get('max_logprob_diff')}")
     return bundle
 
 

@@ -1,13 +1,24 @@
 """Write the kit's tiny random-weight hybrid model (Qwen3-Next: GDN + full attention + MTP).
 
-Only a config is written: vLLM runs it with ``load_format="dummy"`` and token-id
-prompts, so nothing is downloaded and no weights are shipped.
+The config is shipped; the weights are made here from a fixed seed (torch's
+CPU generator, so every run and every image writes the same bytes; the bench
+records their sha256). Nothing is downloaded and no weights are shipped.
+
+Why not vLLM's ``load_format="dummy"``: it fills every weight from
+U(-1e-3, 1e-3), and the model then answers the same token whatever the
+context, so comparing a cached answer with a cold one could never fail.
+With the usual initialisation (normal, std 0.02) the answer depends on the
+context and therefore on the restored Mamba state. The MTP layer (``mtp.*``,
+the names vLLM's Qwen3-Next MTP loader reads) starts as a copy of the last
+full-attention layer.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 from pathlib import Path
 
 # Sized so that a prefill of a few thousand tokens costs visibly more than a
@@ -61,13 +72,48 @@ TINY_CONFIG: dict = {
 }
 
 
-def write_tiny_model(out_dir: Path) -> Path:
-    """Write ``config.json`` into ``out_dir`` (created) and return the directory."""
+SEED = 20261202
+WEIGHTS = "model.safetensors"
+
+
+def write_tiny_model(out_dir: Path, weights: bool = False) -> Path:
+    """Write ``config.json`` (and with ``weights`` the seeded weights) into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "config.json.tmp"
     tmp.write_text(json.dumps(TINY_CONFIG, indent=1, sort_keys=True) + "\n")
     tmp.replace(out_dir / "config.json")
+    if weights:  # ~5 s; rewritten every time so a stale file is never served
+        _write_weights(out_dir / WEIGHTS)
     return out_dir
+
+
+def _write_weights(path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(**{k: v for k, v in TINY_CONFIG.items() if k != "architectures"})
+    torch.manual_seed(SEED)
+    state = {
+        name: tensor.detach().to(torch.bfloat16).contiguous()
+        for name, tensor in Qwen3NextForCausalLM(config).state_dict().items()
+    }
+    last = f"model.layers.{config.num_hidden_layers - 1}."
+    for name in [n for n in state if n.startswith(last)]:
+        state["mtp.layers.0." + name[len(last) :]] = state[name].clone()
+    hidden = config.hidden_size
+    fc = torch.randn(hidden, 2 * hidden, generator=torch.Generator().manual_seed(SEED))
+    state["mtp.fc.weight"] = (fc * config.initializer_range).to(torch.bfloat16)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        state[f"mtp.{norm}.weight"] = state["model.norm.weight"].clone()
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path)  # a reader never sees half a file
+
+
+def weights_sha256(model_dir: Path) -> str | None:
+    path = model_dir / WEIGHTS
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         default=Path(".models/tiny-qwen3-next"),
         help="directory to write config.json into (default: %(default)s)",
     )
+    parser.add_argument("--config-only", action="store_true", help="no weights (scheduler tests)")
     args = parser.parse_args(argv)
-    print(write_tiny_model(args.out))
+    print(write_tiny_model(args.out, weights=not args.config_only))
     return 0
 
 
