@@ -49,7 +49,7 @@ class RunSpec:
         flags = [f"--runtime={self.runtime}"] if self.runtime else []
         flags += ["--gpus=all"] if self.gpus else []
         flags += [f"--device={d}" for d in self.devices]
-        flags += [f"--group-add={g}" for g in self.groups]
+        flags += [f"--group-add={g}" for g in host_gids(self.groups)]
         for opt in self.security_opt:
             flags += ["--security-opt", opt]
         flags += ["--ipc=host"] if self.ipc_host else []
@@ -66,7 +66,7 @@ class RunSpec:
 
         kwargs: dict = {
             "devices": [f"{d}:{d}:rwm" for d in self.devices],
-            "group_add": list(self.groups),
+            "group_add": host_gids(self.groups),
             "security_opt": list(self.security_opt),
             "shm_size": self.shm_size,
             "ulimits": [docker.types.Ulimit(name=n, soft=s, hard=h) for n, s, h in self.ulimits],
@@ -82,6 +82,19 @@ class RunSpec:
                 docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])
             ]
         return {k: v for k, v in kwargs.items() if v not in (None, [], {})}
+
+
+def host_gids(names: tuple[str, ...]) -> list[str]:
+    """The host's numeric ids for these groups: the image may not know the names (render)."""
+    import grp
+
+    out = []
+    for name in names:
+        try:
+            out.append(str(grp.getgrnam(name).gr_gid))
+        except KeyError:
+            out.append(name)
+    return out
 
 
 RUN_SPECS = {

@@ -460,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="bundle folder (default: results/<date>-…)")
     plan = parser.parse_args(argv)
     plan.argv = list(argv if argv is not None else sys.argv[1:])
-    plan.store = plan.store.resolve()
+    plan.store = plan.store.resolve()  # container mounts need absolute paths
+    plan.out = plan.out.resolve() if plan.out else None
     previous = _interrupt_on_sigterm()
     try:
         bundle = run(plan)

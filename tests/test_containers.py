@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.containers import RUN_SPECS, BuildahEngine, DockerEngine, EngineUnavailable
+from scripts.containers import (
+    RUN_SPECS,
+    BuildahEngine,
+    DockerEngine,
+    EngineUnavailable,
+    host_gids,
+)
 
 pytestmark = pytest.mark.cpu
 
 
 def test_strix_flags_without_privileged() -> None:
     flags = RUN_SPECS["strix"].cli_flags()
+    groups = host_gids(("video", "render"))
     assert {
         "--device=/dev/kfd",
         "--device=/dev/dri",
-        "--group-add=render",
-        "--group-add=video",
+        *(f"--group-add={g}" for g in groups),
     } <= set(flags)
     assert "seccomp=unconfined" in flags and "--privileged" not in flags
     assert "--network=none" in flags  # runs offline
     kwargs = RUN_SPECS["strix"].sdk_kwargs()
     assert kwargs["devices"] == ["/dev/kfd:/dev/kfd:rwm", "/dev/dri:/dev/dri:rwm"]
-    assert kwargs["group_add"] == ["video", "render"]
+    assert kwargs["group_add"] == groups
     assert kwargs["network_mode"] == "none" and "privileged" not in kwargs
 
 
@@ -34,6 +40,13 @@ def test_gb10_flags_and_sdk_kwargs_agree() -> None:
     assert kwargs["device_requests"][0]["Capabilities"] == [["gpu"]]
     assert {u["Name"] for u in kwargs["ulimits"]} == {"memlock", "stack"}
     assert kwargs["environment"] == {"HF_HUB_OFFLINE": "1"}
+
+
+def test_groups_are_passed_as_the_hosts_numeric_ids() -> None:
+    import grp
+
+    known = grp.getgrgid(0).gr_name  # every host has gid 0
+    assert host_gids((known, "no-such-group-kit")) == ["0", "no-such-group-kit"]
 
 
 def test_docker_engine_without_an_engine_says_what_to_do(monkeypatch) -> None:

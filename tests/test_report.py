@@ -40,3 +40,15 @@ def test_not_a_bundle(tmp_path: Path) -> None:
     with pytest.raises(report.BundleError, match="no bench.json"):
         report.render([tmp_path])
     assert report.main([str(tmp_path)]) == 2
+
+
+FLOW_BUNDLES = sorted(p.parent for p in (ROOT / "results").glob("*/provenance.json"))
+
+
+def test_a_container_flow_bundle_renders_its_manifest() -> None:
+    if not FLOW_BUNDLES:
+        pytest.fail("no committed bundle from the container flow under results/")
+    text = report.render([FLOW_BUNDLES[-1]])
+    assert "target cpu, engine buildah" in text
+    assert "patched image sha256:" in text and "fix-eagle-fine-prefix" in text
+    assert "regression_table" in text and "upstream_suite" in text
