@@ -80,7 +80,7 @@ regress: setup ## geometry table, unpatched vs patched, JSON + Markdown under re
 upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees
 	$(VENV_PY) -m scripts.upstream_suite
 
-tiny-model: setup ## write the tiny random-weight Qwen3-Next config to .models/tiny-qwen3-next
+tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
 	$(VENV_PY) -m scripts.tiny_model --out .models/tiny-qwen3-next
 
 build-gb10: setup ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE= to override)
