@@ -121,7 +121,10 @@ def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
                 subprocess.run(cmd, check=True)
             info = engine.image_info(ref)
             if not info or not images.is_current(info["labels"]):
-                raise OrchestrateError(f"{ref}: built, but its labels do not match the kit")
+                raise OrchestrateError(
+                    f"{ref}: built, but its labels do not match the kit's files now "
+                    "(were scripts/, tests/ or mods/ edited during the build?); run again"
+                )
             current = True
         else:
             log(f"reusing {ref} ({info['id'][:19]}){'' if current else ' STALE: --reuse-stale'}")
