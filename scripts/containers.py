@@ -220,7 +220,8 @@ class _DockerContainer(Container):
 
         try:
             return int(self.container.wait(timeout=timeout).get("StatusCode", 1))
-        except requests.exceptions.ConnectionError as exc:  # the SDK's timeout
+        # The SDK reports its own timeout as a requests read timeout.
+        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as exc:
             raise TimeoutError(f"{self.name}: still running after {timeout:.0f} s") from exc
 
     def logs(self) -> str:

@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
@@ -192,7 +191,9 @@ def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: P
     provenance = {s: _read_json(outs[s] / "provenance.json") for s in STAGES}
     measured = {s: _read_json(outs[s] / "regress.json") for s in STAGES}
     summary: dict = {
-        "regression_suite": {s: _junit_counts(outs[s] / "regression-suite.xml") for s in STAGES}
+        "regression_suite": {
+            s: upstream_suite.counts(outs[s] / "regression-suite.xml") for s in STAGES
+        }
     }
     if all(measured.values()):
         for stage in STAGES:
@@ -224,24 +225,6 @@ def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: P
     if problems:
         raise OrchestrateError("\n".join(problems))
     return {"summary": summary, "image_provenance": provenance}
-
-
-def _junit_counts(path: Path) -> dict:
-    counts = {"passed": 0, "failed": 0, "xfailed": 0, "skipped": 0}
-    if not path.is_file():
-        return counts
-    for case in ET.parse(path).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        skipped = case.find("skipped")
-        if kinds & {"failure", "error"}:
-            counts["failed"] += 1
-        elif skipped is not None and skipped.get("type") == "pytest.xfail":
-            counts["xfailed"] += 1
-        elif skipped is not None:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
-    return counts
 
 
 # 5. the TTFT comparison ----------------------------------------------------------

@@ -128,19 +128,29 @@ def start_suite(
     ), junit
 
 
+OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+
+
 def outcomes(junit: Path) -> dict[str, str]:
+    """Each case's outcome in a pytest junit file: one of ``OUTCOMES``."""
     result = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
         kinds = {child.tag for child in case}
-        result[name] = (
-            "failed"
-            if kinds & {"failure", "error"}
-            else "skipped"
-            if "skipped" in kinds
-            else "passed"
-        )
+        skipped = case.find("skipped")
+        if kinds & {"failure", "error"}:
+            result[name] = "failed"
+        elif skipped is not None:
+            result[name] = "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
+        else:
+            result[name] = "passed"
     return result
+
+
+def counts(junit: Path) -> dict[str, int]:
+    """How many cases had each outcome; all zero when the file is missing."""
+    found = list(outcomes(junit).values()) if junit.is_file() else []
+    return {kind: found.count(kind) for kind in OUTCOMES}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,8 +185,7 @@ def compare(results: dict[str, dict[str, str]]) -> tuple[dict, str, bool]:
     unpatched, patched = results["unpatched"], results["patched"]
     lost = sorted(n for n, o in unpatched.items() if o == "passed" and patched.get(n) != "passed")
     summary = {
-        name: {k: list(r.values()).count(k) for k in ("passed", "failed", "skipped")}
-        for name, r in results.items()
+        name: {k: list(r.values()).count(k) for k in OUTCOMES} for name, r in results.items()
     }
     report = {
         "suite": SUITE,
