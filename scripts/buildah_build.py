@@ -124,6 +124,9 @@ def build(stage: str) -> str:
         # Not over /etc/ssl/certs: the image's own ca-certificates package owns that file.
         cmd += ["-v", f"{CA_BUNDLE}:/run/kit-host-ca.crt:ro"]
     run([*cmd, str(ROOT)])
+    # The tag moved; with vfs the image it left behind still holds ~4 GB, and a
+    # few rebuilds fill a disk. Dangling images in this storage are ours.
+    run(["buildah", *STORAGE, "rmi", "--prune"], capture_output=True)
     return tag
 
 
