@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+
 import pytest
 
 from scripts import cpu_env
@@ -30,7 +31,8 @@ CHECK = f"""
 import json, torch
 from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
-n, tokens, head, page, mamba, layers = {NUM_BLOCKS}, {TOKENS}, {HEAD}, {PAGE}, {MAMBA_BYTES}, {LAYERS}
+n, tokens, head = {NUM_BLOCKS}, {TOKENS}, {HEAD}
+page, mamba, layers = {PAGE}, {MAMBA_BYTES}, {LAYERS}
 raw = torch.zeros(layers * n * page, dtype=torch.int8)
 caches, attention = [], []
 for layer in range(layers):
