@@ -1,9 +1,9 @@
 """Where a follow-up should resume, derived from the geometry alone.
 
 An independent model of vLLM 0.32.0's documented prefix-cache rules for one
-producer A (N = S + U tokens) followed by B (S shared tokens), with the scheduler
-budget larger than the prompt. It does not import vLLM: the suite compares the
-real scheduler against these numbers.
+producer A (N = S + U tokens) followed by B (S shared tokens), under a
+scheduler token budget per step (vLLM's ``max_num_batched_tokens``). It does
+not import vLLM: the suite compares the real scheduler against these numbers.
 """
 
 from __future__ import annotations
@@ -18,6 +18,15 @@ class Case:
     num_spec: int  # k; 0 = no speculative decoding
     shared: int  # S
     tail: int  # U, the producer's unique tail
+    budget: int = 8192  # tokens one step may schedule (max_num_batched_tokens)
+
+    def __post_init__(self) -> None:
+        if self.budget < self.block:
+            raise ValueError(
+                f"token budget {self.budget} is smaller than the block {self.block}: "
+                "align mode cannot end a partial chunk on a block boundary; raise "
+                "max_num_batched_tokens"
+            )
 
     @property
     def eagle(self) -> bool:
@@ -91,6 +100,9 @@ def producer_chunk_ends(case: Case, patched: bool) -> tuple[int, ...]:
             if next_boundary < n:
                 inside.append(next_boundary)
         end = min(inside, default=n)
+        if end - start > case.budget:
+            # Align mode cuts a chunk the budget cannot finish at a block boundary.
+            end = (start + case.budget) // b * b
         ends.append(end)
         start = end
     return tuple(ends)

@@ -27,6 +27,19 @@ class Completion:
     prompt_tokens: int
     token_ids: list[int]
     logprobs: list[float]
+    # Per generated position: the top-k candidates' log-probabilities by token id.
+    top_logprobs: list[dict[int, float]]
+
+
+TOP_K = 5
+
+
+def _token_id(key: str) -> int:
+    """``return_tokens_as_token_ids`` spells a token as ``token_id:<n>``."""
+    try:
+        return int(key.rsplit(":", 1)[-1])
+    except ValueError as exc:
+        raise RequestError(f"unexpected token key {key!r} in top_logprobs") from exc
 
 
 def complete(
@@ -43,7 +56,7 @@ def complete(
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
-            "logprobs": 1,
+            "logprobs": TOP_K,
             "return_tokens_as_token_ids": True,
         }
     ).encode()
@@ -55,6 +68,7 @@ def complete(
     usage = None
     token_ids: list[int] = []
     logprobs: list[float] = []
+    top: list[dict[int, float]] = []
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             for raw in resp:
@@ -68,7 +82,12 @@ def complete(
                     if ttft is None:
                         ttft = time.perf_counter() - start
                     token_ids += choice.get("token_ids") or []
-                    logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+                    lp = choice.get("logprobs") or {}
+                    logprobs += lp.get("token_logprobs") or []
+                    top += [
+                        {_token_id(k): v for k, v in (entry or {}).items()}
+                        for entry in lp.get("top_logprobs") or []
+                    ]
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except (OSError, json.JSONDecodeError) as exc:
@@ -82,7 +101,12 @@ def complete(
             "start the server with --enable-prompt-tokens-details"
         )
     return Completion(
-        ttft, int(details["cached_tokens"] or 0), int(usage["prompt_tokens"]), token_ids, logprobs
+        ttft,
+        int(details["cached_tokens"] or 0),
+        int(usage["prompt_tokens"]),
+        token_ids,
+        logprobs,
+        top,
     )
 
 
@@ -112,11 +136,17 @@ def counters(base_url: str) -> dict[str, float]:
 
 
 def parse_cache_config_info(text: str) -> dict[str, int]:
-    """Block size (the Mamba block when set) and match unit from ``vllm:cache_config_info``."""
+    """Block size and match unit from ``vllm:cache_config_info``.
+
+    ``block_size`` is the resolved block (vLLM raises it until an attention page
+    holds a Mamba state; in align mode the Mamba block follows it). The API
+    server's ``mamba_block_size`` label can still show the value asked for, so
+    it is not used.
+    """
     for line in text.splitlines():
         if line.startswith("vllm:cache_config_info{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
-            block = labels.get("mamba_block_size") or labels.get("block_size")
+            block = labels.get("block_size")
             unit = labels.get("prefix_match_unit")
             if block and block.isdigit() and unit and unit.isdigit():
                 return {"block": int(block), "unit": int(unit)}

@@ -403,6 +403,7 @@ def run_case(
             block_size=case.block,
             unit=case.unit,
             num_spec=case.num_spec,
+            token_budget=case.budget,
             predecessor_checkpoint=fix,
         ),
     )

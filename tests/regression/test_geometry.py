@@ -73,3 +73,33 @@ def test_patched_tree_with_switch_off_is_unpatched(
     assert (bounds.fa_match, b.hit) == (want.fa_match, want.hit)
     assert rig.partial_entries_of(a.request_id, 0) == sorted(want.fa_partials)
     assert rig.partial_entries_of(a.request_id, 1) == sorted(want.mamba_partials)
+
+
+# A step budget smaller than the prompt: align mode ends the chunk on the last
+# block boundary the budget reaches. The bench's CPU geometry is among them
+# (B_phys 1024, max_num_batched_tokens 2048, MTP k = 1, the "." probe).
+BUDGET_CASES = [
+    pytest.param(
+        Case(block, 16, k, shared, tail, budget=budget),
+        id=f"B{block}-budget{budget}-S{shared}-k{k}-U{tail}",
+    )
+    for block, budget, shared_list in (
+        (64, 64, (199, 335)),
+        (64, 128, (199, 335)),
+        (1024, 2048, (900, 1007, 1024, 2159, 3103)),
+    )
+    for shared in shared_list
+    for k in (0, 1)
+    for tail in (1, 40)
+]
+
+
+@pytest.mark.parametrize("case", BUDGET_CASES)
+def test_chunk_budget_shapes_the_boundaries(
+    tiny_model_dir, tree_is_patched: bool, case: Case
+) -> None:
+    want = expected(case, patched=tree_is_patched)
+    rig, a, b, _ = run_case(tiny_model_dir, case, fix=tree_is_patched)
+    assert rig.chunk_ends[a.request_id] == list(want.chunk_ends)
+    assert b.hit == want.hit
+    assert b.resumed_from_own_prefix()
