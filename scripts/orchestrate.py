@@ -404,17 +404,19 @@ def run(plan: argparse.Namespace) -> Path:
             data = manifest(plan, engine, host, found, suites, model, bench)
             (bundle / "provenance.json").write_text(json.dumps(data, indent=1) + "\n")
     if code != 0:
+        found_problems = []
+        if (bundle / "bench.json").is_file():
+            found_problems = _read_json(bundle / "bench.json").get("failures", [])
         raise OrchestrateError(
             f"the TTFT client exited {code}; see {bundle / 'logs' / 'bench-client.log'}"
+            + "".join(f"\n  {line}" for line in found_problems)
         )
     if not plan.tests_only:
         oracle = _read_json(bundle / "bench.json").get("oracle", {})
-        verdict = (
-            "cached answers equal cold ones"
-            if oracle.get("all_same_tokens")
-            else (f"CACHED ANSWERS DIFFER FROM COLD ONES at (tree, S) {oracle.get('mismatches')}")
+        log(
+            f"correctness oracle: verdicts {oracle.get('verdicts')}; max |first-position "
+            f"log-prob diff| {oracle.get('max_first_logprob_diff')}"
         )
-        log(f"correctness oracle: {verdict}; max |logprob diff| {oracle.get('max_logprob_diff')}")
     return bundle
 
 
