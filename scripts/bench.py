@@ -49,8 +49,11 @@ CPU_BATCHED_TOKENS = 2048
 LOCKED_BATCHED_TOKENS = 8192
 # vLLM's CPU platform stores GDN SSM states in float32 on CPUs with AVX-512 BF16
 # and in the model dtype elsewhere; the page size, and with it the block vLLM
-# picks (1024 or 2048 tokens), followed the machine. Pinned: same block everywhere.
-CPU_SSM_CACHE_DTYPE = "bfloat16"
+# picks (2048 or 1024 tokens), followed the machine. Pinned to float32 (bf16
+# states crash the AVX-512 GDN kernel: "tensor must be contiguous"), so every
+# machine gets 2048-token blocks.
+CPU_SSM_CACHE_DTYPE = "float32"
+CPU_BLOCK = 2048
 
 
 SERVED_NAME = "kit-model"
@@ -364,11 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         "--shared",
         type=int,
         nargs="+",
-        default=[900, 1007, 1024, 2159],
-        help="context lengths S (default: %(default)s: inside the first 1024-token "
+        default=[900, 1007, 2048, 2159],
+        help="context lengths S (default: %(default)s: inside the first 2048-token "
         "block, S mod 16 = 4 and 15; block-aligned; beyond it)",
     )
-    parser.add_argument("--block", type=int, default=1024)
+    parser.add_argument("--block", type=int, default=CPU_BLOCK)
     parser.add_argument("--unit", type=int, default=16)
     parser.add_argument("--num-spec", type=int, default=1, help="MTP draft tokens (0: none)")
     parser.add_argument(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from scripts import bench, cpu_env
-from scripts.geometry_model import Case, expected
+from scripts.geometry_model import expected
 from scripts.openai_client import (
     MetricsError,
     RequestError,
@@ -99,7 +99,7 @@ def server(tmp_path_factory, tree_path: str):
 
     home = tmp_path_factory.mktemp("bench")
     args = bench.cpu_serve_args(
-        write_tiny_model(home / "tiny", weights=True), 1024, 16, 1
+        write_tiny_model(home / "tiny", weights=True), bench.CPU_BLOCK, 16, 1
     ) + bench.fix_flags("cpu")
     with Server(
         "patched",
@@ -113,18 +113,19 @@ def server(tmp_path_factory, tree_path: str):
     assert not srv.alive()  # stopped on exit
 
 
-GEO = {"block": 1024, "unit": 16, "num_spec": 1, "budget": bench.CPU_BATCHED_TOKENS}
+GEO = {"block": bench.CPU_BLOCK, "unit": 16, "num_spec": 1, "budget": bench.CPU_BATCHED_TOKENS}
 # The S = 1007 cached request, kept for the known-defect test (one server run).
 RESUMED: dict[int, dict] = {}
 
 
 def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
-    # The resolved block: 1024 on every CPU only because the SSM cache dtype is pinned.
-    assert cache_config_info(server.url) == {"block": 1024, "unit": 16}
+    # The resolved block: the same on every CPU only because the SSM cache dtype is pinned.
+    assert cache_config_info(server.url) == {"block": 2048, "unit": 16}
     shared = 1007  # S mod 16 = 15: the case the fix exists for
     rows = bench.run_pair(server, "patched", rep=0, shared=shared, geo=GEO)
     by_kind = {r["kind"]: r for r in rows}
-    want = expected(Case(1024, 16, 1, shared, 1), patched=True).hit
+    want = bench.bench_case(GEO, shared)
+    want = expected(want, patched=True).hit
     assert want == 976
     cached = by_kind["cached_B"]
     assert cached["cached_tokens"] == want and cached["hit_ok"]

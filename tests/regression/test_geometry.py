@@ -77,7 +77,7 @@ def test_patched_tree_with_switch_off_is_unpatched(
 
 # A step budget smaller than the prompt: align mode ends the chunk on the last
 # block boundary the budget reaches. The bench's CPU geometry is among them
-# (B_phys 1024, max_num_batched_tokens 2048, MTP k = 1, the "." probe).
+# (B_phys 2048, max_num_batched_tokens 2048, MTP k = 1, the "." probe).
 BUDGET_CASES = [
     pytest.param(
         Case(block, 16, k, shared, tail, budget=budget),
@@ -86,7 +86,8 @@ BUDGET_CASES = [
     for block, budget, shared_list in (
         (64, 64, (199, 335)),
         (64, 128, (199, 335)),
-        (1024, 2048, (900, 1007, 1024, 2159, 3103)),
+        (1024, 2048, (1007, 2159, 3103)),
+        (2048, 2048, (900, 1007, 2048, 2159, 4111)),
     )
     for shared in shared_list
     for k in (0, 1)
