@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             base + (patched_extra if tree == "patched" else []),
             out / "logs" / f"server-{tree}.log",
             pythonpath=None if external else str(cpu_env.ensure_tree(tree).parent),
-            # One compile cache per tree: two servers compiling the same graphs at
-            # once into one cache crashed in the GDN kernel on their first request.
+            # One compile cache per tree: the two servers start at once, and one
+            # tree's compiled artifacts should never be what the other runs.
             env={**env, "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm" / tree)},
             startup_timeout=args.startup_timeout,
             url_override=external[tree].rstrip("/") if external else None,
