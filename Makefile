@@ -7,7 +7,7 @@ VENV_PY := .venv/bin/python
 TREES := unpatched patched
 
 .PHONY: help setup test lint mods-list regress upstream-suite tiny-model bench bench-cpu \
-  bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
+  turn-cost bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images
 
@@ -41,6 +41,9 @@ bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs
 
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
 	$(VENV_PY) -m scripts.bench --reps $(REPS)
+
+turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (in-process engine; REPS=)
+	$(VENV_PY) -m scripts.turn_cost --reps $(if $(filter 10,$(REPS)),5,$(REPS)) --out results/turn-cost.json
 
 BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
 

@@ -1,0 +1,216 @@
+"""Where a conversation turn's time goes, unpatched vs patched (a benchmark, not a test).
+
+Runs the bench's 4-turn conversation on vLLM's engine in this process (the CPU
+default's server arguments, compiled as the server is) once per tree, each tree
+in its own process, and attributes each turn's prefill: engine steps, time in
+the model runner's steps, time in the copy-on-write block copies, and time in
+the Mamba pre-/post-processing (``cpu-mamba-align-spec``'s Python copy loop).
+Repetitions alternate the trees (A B A B ...); medians with min-max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from scripts import bench, cpu_env
+
+ROOT = Path(__file__).resolve().parent.parent
+TREES = bench.TREES
+
+
+def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
+    """Wrap the engine's phases; each wrapper adds its wall time to ``timings``."""
+    import vllm.v1.worker.gpu_model_runner as runner_mod
+    import vllm.v1.worker.mamba_utils as mamba_mod
+
+    def timed(owner, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timings[key] += time.perf_counter() - start
+                counts[key] += 1
+
+        setattr(owner, name, wrapper)
+
+    timed(runner_mod.GPUModelRunner, "execute_model", "step")
+    timed(runner_mod, "copy_kv_cache_blocks_inplace", "cow_copy")
+    timed(mamba_mod, "preprocess_mamba", "mamba_pre")
+    if hasattr(mamba_mod, "postprocess_mamba_align_cpu"):
+        timed(mamba_mod, "postprocess_mamba_align_cpu", "mamba_post")
+
+
+def measure(tree: str, reps: int, shared: int) -> list[dict]:
+    """In a process whose ``vllm`` is the tree: per repetition and turn, the phase times."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from scripts.tiny_model import write_tiny_model
+
+    model = write_tiny_model(ROOT / ".models" / "tiny-qwen3-next", weights=True)
+    kwargs = dict(
+        model=str(model),
+        dtype="bfloat16",
+        max_model_len=8192,
+        block_size=bench.CPU_BLOCK,
+        max_num_batched_tokens=bench.CPU_BATCHED_TOKENS,
+        mamba_ssm_cache_dtype=bench.CPU_SSM_CACHE_DTYPE,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+        prefix_match_unit=16,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )
+    if tree == "patched":
+        kwargs["enable_mamba_eagle_predecessor_checkpoint"] = True
+    timings: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    _instrument(timings, counts)
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=bench.REPLY_TOKENS, temperature=0.0, ignore_eos=True)
+    out = []
+    for rep in range(-1, reps):  # -1: warm-up, not recorded
+        prompt = bench.context(rep, shared, "conv") + [4000 + i for i in range(bench.TURN_LEN)]
+        for turn in range(4):
+            timings.clear()
+            counts.clear()
+            start = time.perf_counter()
+            done = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            wall = time.perf_counter() - start
+            if rep >= 0:
+                out.append(
+                    {
+                        "tree": tree,
+                        "rep": rep,
+                        "turn": turn + 1,
+                        "prompt_tokens": len(prompt),
+                        "cached_tokens": done.num_cached_tokens,
+                        "wall_s": wall,
+                        **{f"{k}_s": v for k, v in timings.items()},
+                        **{f"{k}_n": v for k, v in counts.items()},
+                    }
+                )
+            reply = list(done.outputs[0].token_ids)
+            prompt = prompt + reply + [3000 + 50 * turn + i for i in range(bench.TURN_LEN)]
+    return out
+
+
+def _run_tree(tree: str, reps: int, shared: int) -> list[dict]:
+    path = cpu_env.ensure_tree(tree)
+    env = dict(os.environ, PYTHONPATH=f"{path.parent}{os.pathsep}{ROOT}", HF_HUB_OFFLINE="1")
+    env["VLLM_CACHE_ROOT"] = str(ROOT / ".cache" / "vllm" / tree)
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "scripts.turn_cost", "measure", tree]
+        cmd += ["--reps", str(reps), "--shared", str(shared), "--out", out.name]
+        subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+        return json.loads(Path(out.name).read_text())
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    keys = ("wall_s", "step_s", "step_n", "cow_copy_s", "mamba_pre_s", "mamba_post_s")
+    table = []
+    for turn in sorted({r["turn"] for r in rows}):
+        line: dict = {"turn": turn}
+        for key in keys:
+            per_tree = {}
+            for tree in TREES:
+                vals = [r.get(key, 0) for r in rows if r["tree"] == tree and r["turn"] == turn]
+                per_tree[tree] = statistics.median(vals) if vals else 0
+            line[key] = per_tree
+        pairs = defaultdict(dict)
+        for r in rows:
+            if r["turn"] == turn:
+                pairs[r["rep"]][r["tree"]] = r["wall_s"]
+        ratios = sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
+        line["ratio_wall"] = {
+            "median": statistics.median(ratios),
+            "min": ratios[0],
+            "max": ratios[-1],
+        }
+        table.append(line)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd")
+    m = sub.add_parser("measure", help="(internal) measure the tree this process imports")
+    m.add_argument("tree", choices=TREES)
+    m.add_argument("--reps", type=int, required=True)
+    m.add_argument("--shared", type=int, required=True)
+    m.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=5, help="repetitions (default: %(default)s)")
+    parser.add_argument("--shared", type=int, default=1007, help="context length S")
+    parser.add_argument("--out", type=Path, help="write the rows and the summary here (JSON)")
+    args = parser.parse_args(argv)
+    if args.cmd == "measure":
+        args.out.write_text(json.dumps(measure(args.tree, args.reps, args.shared)))
+        return 0
+    from tabulate import tabulate
+
+    # Alternate the trees per round so drift in the machine hits both alike.
+    rows: list[dict] = []
+    for round_ in range(2):
+        order = TREES if round_ % 2 == 0 else TREES[::-1]
+        for tree in order:
+            rows += [
+                dict(r, rep=r["rep"] + round_ * args.reps)
+                for r in _run_tree(tree, args.reps, args.shared)
+            ]
+    summary = summarize(rows)
+
+    def pair(line: dict, key: str, digits: int) -> str:
+        scale = 1 if key.endswith("_n") else 1000
+        u, p = (scale * line[key][tree] for tree in TREES)
+        return f"{u:.{digits}f} / {p:.{digits}f}"
+
+    body = []
+    for line in summary:
+        ratio = line["ratio_wall"]
+        body.append(
+            [
+                line["turn"],
+                pair(line, "step_n", 0),
+                pair(line, "wall_s", 1),
+                f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})",
+                pair(line, "step_s", 1),
+                pair(line, "cow_copy_s", 2),
+                pair(line, "mamba_pre_s", 2),
+                pair(line, "mamba_post_s", 2),
+            ]
+        )
+    headers = [
+        "turn",
+        "steps u/p",
+        "turn ms u/p",
+        "ratio p/u",
+        "in steps ms u/p",
+        "CoW copy ms u/p",
+        "Mamba pre ms u/p",
+        "Mamba post ms u/p",
+    ]
+    print(tabulate(body, headers=headers))
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
