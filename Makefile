@@ -42,8 +42,10 @@ bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
 	$(VENV_PY) -m scripts.bench --reps $(REPS)
 
-turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (in-process engine; REPS=)
-	$(VENV_PY) -m scripts.turn_cost --reps $(if $(filter 10,$(REPS)),5,$(REPS)) --out results/turn-cost.json
+TURN_REPS ?= 5
+
+turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round)
+	$(VENV_PY) -m scripts.turn_cost --reps $(TURN_REPS) --out results/turn-cost.json
 
 BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
 
