@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=oracle.DEFAULT_TOLERANCE,
         help="oracle: max |log-prob difference| at the first generated position "
-        "(default: %(default)s, the tiny CPU model in bf16)",
+        "(default: %(default)s, four bf16 ulps of the tiny CPU model's logits)",
     )
     parser.add_argument(
         "--serve-only",
@@ -550,7 +550,10 @@ def main(argv: list[str] | None = None) -> int:
                 for v in ("same", "tie", "wrong")
             },
             "max_first_logprob_diff": max(
-                (r["oracle"]["first_logprob_diff"] or float("inf")) for r in judged
+                (
+                    float("inf") if (d := r["oracle"]["first_logprob_diff"]) is None else d
+                    for r in judged
+                ),
             ),
             "distinct_cold_answers": distinct,
             "can_fail": distinct > 1,
