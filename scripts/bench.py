@@ -43,6 +43,7 @@ PROBE_TOKEN = 13
 TURN_LEN = 48
 REPLY_TOKENS = 8
 TREES = ("unpatched", "patched")
+WAKE_PROMPT = [5, 6, 7]  # shorter than one hash unit: leaves no cache entry
 # The CPU default's scheduler budget, pinned so the geometry model can use it.
 CPU_BATCHED_TOKENS = 2048
 # GPU models: their blocks reach thousands of tokens; the budget must hold one.
@@ -192,6 +193,10 @@ def run_pair(
     case = bench_case(geo, shared)
     want_b = expected(case, patched=tree == "patched").hit
     resend = prompt_checkpoint(len(b), unit, bool(num_spec))
+    # Unmeasured: the first request after the server sat idle (while the other
+    # tree ran) waited about 1 s before its prefill in a third of the
+    # repetitions, on either tree; cold A should time the prefill, not that.
+    complete(server.url, SERVED_NAME, WAKE_PROMPT, 1)
     rows = [
         measure(server, tree, a, "cold_A", 0, rep, shared),
         measure(server, tree, b, "cached_B", want_b, rep, shared),
