@@ -44,6 +44,7 @@ TURN_LEN = 48
 REPLY_TOKENS = 8
 TREES = ("unpatched", "patched")
 WAKE_PROMPT = [5, 6, 7]  # shorter than one hash unit: leaves no cache entry
+IDLE_GAP_S = 1.5
 # The CPU default's scheduler budget, pinned so the geometry model can use it.
 CPU_BATCHED_TOKENS = 2048
 # GPU models: their blocks reach thousands of tokens; the budget must hold one.
@@ -525,6 +526,11 @@ def main(argv: list[str] | None = None) -> int:
         for rep, shared in tqdm(work, desc="repetitions x geometries", unit="pair"):
             order = TREES if rep % 2 == 0 else TREES[::-1]
             for tree in order:
+                # vLLM's worker busy-polls for 1 s after its last request: on a
+                # small machine the server that just finished would steal CPU
+                # from the other one's first requests (patched cold A, with its
+                # extra steps, measured 3x slower that way; alone, 1.1x).
+                time.sleep(IDLE_GAP_S)
                 pair = run_pair(servers[tree], tree, rep, shared, geo, args.tolerance)
                 conv = run_conversation(servers[tree], tree, rep, shared, geo)
                 if rep >= 0:  # rep -1 is the warm-up
