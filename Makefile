@@ -36,11 +36,12 @@ mods-list: setup ## the mods and their state against both trees
 HOST_TARGET := $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo gb10; \
   elif [ -e /dev/kfd ]; then echo strix; else echo cpu; fi)
 REPS ?= 10
+BENCH_ARGS ?=
 
 bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs patched, on this host's target
 
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
-	$(VENV_PY) -m scripts.bench --reps $(REPS)
+	$(VENV_PY) -m scripts.bench --reps $(REPS) $(BENCH_ARGS)
 
 TURN_REPS ?= 5
 
