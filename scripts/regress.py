@@ -95,11 +95,25 @@ def verdict(case: Case, unpatched: int, patched: int) -> str:
     return "known loss"
 
 
+def eagle_specific_loss(case: Case, hit: int, hit_without_spec: int) -> int | None:
+    """What speculation alone costs: (the same A and B without it, less EAGLE's unit) - hit.
+
+    None without speculation. The unit is the drop EAGLE is entitled to; anything
+    beyond it is lost only because drafting is on.
+    """
+    if not case.eagle:
+        return None
+    return max(hit_without_spec - case.unit, 0) - hit
+
+
 def build_report(unpatched: dict, patched: dict) -> dict:
     rows = []
-    for case_id, case in all_cases():
+    cases = all_cases()
+    by_geometry = {(c.block, c.shared, c.tail, c.num_spec): cid for cid, c in cases}
+    for case_id, case in cases:
         u, p = unpatched["rows"][case_id], patched["rows"][case_id]
         want = expected(case, patched=True)
+        plain = by_geometry[(case.block, case.shared, case.tail, 0)]
         rows.append(
             {
                 "case": case_id,
@@ -114,6 +128,12 @@ def build_report(unpatched: dict, patched: dict) -> dict:
                 "expected_unpatched": expected(case, patched=False).hit,
                 "unpatched": u["hit"],
                 "patched": p["hit"],
+                "eagle_loss_unpatched": eagle_specific_loss(
+                    case, u["hit"], unpatched["rows"][plain]["hit"]
+                ),
+                "eagle_loss_patched": eagle_specific_loss(
+                    case, p["hit"], patched["rows"][plain]["hit"]
+                ),
                 "unpatched_fa": [u["fa_match"], u["fa_eagle"]],
                 "patched_fa": [p["fa_match"], p["fa_eagle"]],
                 "state_ok": u["state_ok"] and p["state_ok"],
@@ -126,6 +146,13 @@ def build_report(unpatched: dict, patched: dict) -> dict:
         "unit": all_cases()[0][1].unit,
         "rows": rows,
         "summary": dict(Counter(r["verdict"] for r in rows)),
+        "eagle_specific_loss": {
+            tree: {
+                "cases": sum((r[f"eagle_loss_{tree}"] or 0) > 0 for r in rows),
+                "tokens": sum(max(r[f"eagle_loss_{tree}"] or 0, 0) for r in rows),
+            }
+            for tree in ("unpatched", "patched")
+        },
         "geometry_identical": unpatched["geometry"] == patched["geometry"],
         "geometry": patched["geometry"],
         "provenance": {
@@ -137,7 +164,16 @@ def build_report(unpatched: dict, patched: dict) -> dict:
     }
 
 
-COLUMNS = ("case", "ideal", "unpatched", "patched", "heuristic_covers", "verdict")
+COLUMNS = (
+    "case",
+    "ideal",
+    "unpatched",
+    "patched",
+    "eagle_loss_unpatched",
+    "eagle_loss_patched",
+    "heuristic_covers",
+    "verdict",
+)
 
 
 def render_markdown(report: dict) -> str:
@@ -152,6 +188,10 @@ def render_markdown(report: dict) -> str:
         "",
         f"Summary: {report['summary']}; cache geometry identical across trees: "
         f"{report['geometry_identical']}.",
+        "",
+        "`eagle_loss_*` = (the same A and B without speculation, less H) - hit: what "
+        "speculation alone costs. Cases with a loss and tokens lost, per tree: "
+        f"{report['eagle_specific_loss']}.",
         "",
         tabulate(
             [[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS, tablefmt="github"
@@ -197,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         print(tabulate([[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS))
     print(f"summary: {report['summary']}  geometry identical: {report['geometry_identical']}")
+    print(f"EAGLE-specific loss (cases, tokens) per tree: {report['eagle_specific_loss']}")
     print(f"wrote {args.out_dir / 'regression.json'} and regression.md")
     bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
     return 1 if bad or not report["geometry_identical"] else 0

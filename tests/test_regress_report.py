@@ -1,0 +1,25 @@
+"""The regression report's EAGLE-specific loss (no scheduler needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.geometry_model import Case
+from scripts.regress import eagle_specific_loss
+
+pytestmark = pytest.mark.cpu
+
+
+def test_no_speculation_has_no_eagle_loss() -> None:
+    assert eagle_specific_loss(Case(64, 16, 0, 64, 40), hit=64, hit_without_spec=64) is None
+
+
+def test_loss_beyond_the_unit_eagle_is_entitled_to() -> None:
+    # B64-boundary-S64-r0, U = 40: 64 without speculation, 0 with it.
+    case = Case(64, 16, 1, 64, 40)
+    assert eagle_specific_loss(case, hit=0, hit_without_spec=64) == 48
+    assert eagle_specific_loss(case, hit=48, hit_without_spec=64) == 0
+
+
+def test_a_miss_without_speculation_is_not_eagle_s_fault() -> None:
+    assert eagle_specific_loss(Case(64, 16, 3, 167, 40), hit=0, hit_without_spec=0) == 0
