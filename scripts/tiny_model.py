@@ -76,11 +76,19 @@ SEED = 20261202
 WEIGHTS = "model.safetensors"
 
 
-def write_tiny_model(out_dir: Path, weights: bool = False) -> Path:
-    """Write ``config.json`` (and with ``weights`` the seeded weights) into ``out_dir``."""
+def write_tiny_model(out_dir: Path, weights: bool = False, mtp_modules: int = 1) -> Path:
+    """Write ``config.json`` (and with ``weights`` the seeded weights) into ``out_dir``.
+
+    ``mtp_modules`` > 1 declares that many NEXTN layers (config only, for the
+    scheduler-level suite): vLLM then runs one MTP module per draft position, as
+    for Step-3.7-Flash.
+    """
+    if mtp_modules > 1 and weights:
+        raise ValueError("seeded weights exist for one MTP module only; use weights=False")
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "config.json.tmp"
-    tmp.write_text(json.dumps(TINY_CONFIG, indent=1, sort_keys=True) + "\n")
+    config = dict(TINY_CONFIG, num_nextn_predict_layers=mtp_modules)
+    tmp.write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
     tmp.replace(out_dir / "config.json")
     if weights:  # ~5 s; rewritten every time so a stale file is never served
         _write_weights(out_dir / WEIGHTS)

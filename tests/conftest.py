@@ -101,6 +101,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_multi_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny config with three NEXTN layers: multi-module MTP for k = 3."""
+    from scripts.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next-mtp3"), mtp_modules=3)
+
+
+@pytest.fixture(scope="session")
 def cpu_images() -> dict[str, str]:
     """The cpu image refs in buildah's storage, by stage."""
     from scripts import images, orchestrate
