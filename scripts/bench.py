@@ -51,9 +51,9 @@ CPU_BATCHED_TOKENS = 2048
 LOCKED_BATCHED_TOKENS = 8192
 # vLLM's CPU platform stores GDN SSM states in float32 on CPUs with AVX-512 BF16
 # and in the model dtype elsewhere; the page size, and with it the block vLLM
-# picks (2048 or 1024 tokens), followed the machine. Pinned to float32 (bf16
-# states crash the AVX-512 GDN kernel: "tensor must be contiguous"), so every
-# machine gets 2048-token blocks.
+# picks (2048 or 1024 tokens), followed the machine. Pinned to float32 (what
+# those CPUs pick anyway, and the more precise state), so every machine gets
+# 2048-token blocks.
 CPU_SSM_CACHE_DTYPE = "float32"
 CPU_BLOCK = 2048
 
