@@ -225,7 +225,12 @@ class SchedulerRig:
         self.manager = self.scheduler.kv_cache_manager
         self.coordinator = self.manager.coordinator
         self.oracle = StateOracle(geo.block_size)
-        self.block_hasher = get_request_block_hasher(geo.unit, sha256)
+        # Releases after 0.32.0 hash each unit together with the tokens the drafter
+        # reads past it (lookahead hashes); the engine builds its hasher so.
+        lookahead = getattr(self.vllm_config, "num_hash_lookahead_tokens", 0)
+        self.block_hasher = get_request_block_hasher(
+            geo.unit, sha256, *([lookahead] if lookahead else [])
+        )
         self.resumes: list[ResumeRecord] = []
         self.chunk_ends: dict[str, list[int]] = {}
         self.partial_entries: list[tuple[str, int, int]] = []
