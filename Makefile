@@ -80,8 +80,10 @@ test-strix: setup ## the regression suite and vLLM's prefix suite inside both st
 test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
 	$(ORCH) cpu --tests-only
 
-regress: setup ## geometry table, unpatched vs patched, JSON + Markdown under results/regression
-	$(VENV_PY) -m scripts.regress
+VLLM ?=
+
+regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
+	$(VENV_PY) -m scripts.regress $(if $(VLLM),--vllm $(VLLM))
 
 upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees
 	$(VENV_PY) -m scripts.upstream_suite

@@ -25,16 +25,25 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "results" / "regression"
 
 
-def measure(model_dir: Path, fix: bool) -> dict:
+def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
     """Run in a process whose ``vllm`` is the tree under test."""
     import vllm
 
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        # A release tree from its sdist (scripts/releases.py). From 0.34.0 vLLM's
+        # CPU platform refuses x86 without triton-cpu at config time; only the
+        # scheduler runs here, which uses no kernel.
+        import vllm.triton_utils
+
+        vllm.triton_utils.HAS_TRITON = True
     from scripts.sched_harness import cache_geometry, run_case
 
     rows = {}
     geometry = {}
+    lookahead = {}
     for case_id, case in all_cases():
-        rig, a, b, bounds = run_case(model_dir, case, fix=fix)
+        rig, a, b, bounds = run_case(model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes)
+        lookahead[case_id] = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
         rows[case_id] = {
             "a_chunk_ends": rig.chunk_ends[a.request_id],
             "fa_match": bounds.fa_match,
@@ -43,6 +52,7 @@ def measure(model_dir: Path, fix: bool) -> dict:
             "state_ok": b.resumed_from_own_prefix(),
             "fa_partials": rig.partial_entries_of(a.request_id, 0),
             "mamba_partials": rig.partial_entries_of(a.request_id, 1),
+            "hash_lookahead": lookahead[case_id],
         }
         geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
     return {"vllm_file": vllm.__file__, "rows": rows, "geometry": geometry}
@@ -210,6 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--model", type=Path, required=True)
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--fix", action="store_true", help="turn on the patched tree's switch")
+    m.add_argument(
+        "--legacy-hashes", action="store_true", help="disable lookahead block hashes (0.33.0+)"
+    )
+    parser.add_argument(
+        "--vllm",
+        metavar="VERSION",
+        help="measure this release from pins.toml [releases] (default: the pinned vllm.version); "
+        "writes results/regression/<VERSION>/",
+    )
     parser.add_argument(
         "--out-dir",
         type=Path,
@@ -219,8 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     args = parser.parse_args(argv)
     if args.cmd == "measure":
-        args.out.write_text(json.dumps(measure(args.model, args.fix)))
+        args.out.write_text(
+            json.dumps(measure(args.model, args.fix, lookahead_hashes=not args.legacy_hashes))
+        )
         return 0
+    if args.vllm and args.vllm != pins.get("vllm.version"):
+        from scripts import release_report
+
+        return release_report.run(args.vllm, args.quiet)
 
     from tabulate import tabulate
 

@@ -10,6 +10,7 @@ cached Mamba state is known by the exact token prefix that produced it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class Geometry:
     token_budget: int = 8192
     # fix-eagle-fine-prefix's run-time switch; only the patched tree accepts it.
     predecessor_checkpoint: bool = False
+    # Releases after 0.32.0: False sets disable_lookahead_block_hashes (legacy hashes).
+    lookahead_hashes: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size % self.unit:
@@ -105,11 +108,20 @@ def build_vllm_config(model_dir: Path, geo: Geometry) -> VllmConfig:
     mc = model_config(str(model_dir))
     spec = None
     if geo.num_spec:
+        legacy = {}
+        if not geo.lookahead_hashes:
+            if not any(
+                f.name == "disable_lookahead_block_hashes"
+                for f in dataclasses.fields(SpeculativeConfig)
+            ):
+                raise ValueError("this vLLM has no lookahead block hashes to disable")
+            legacy = {"disable_lookahead_block_hashes": True}
         spec = SpeculativeConfig(
             method="mtp",
             num_speculative_tokens=geo.num_spec,
             target_model_config=mc,
             target_parallel_config=ParallelConfig(),
+            **legacy,
         )
     return VllmConfig(
         model_config=mc,
@@ -343,14 +355,17 @@ class SchedulerRig:
                     ends.append(end)
                 sampled.append([self.reply_token(req)] if end >= req.num_tokens else [])
             ids = list(out.num_scheduled_tokens)
-            runner_out = ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            )
+            fields = {
+                "req_ids": ids,
+                "req_id_to_index": {rid: i for i, rid in enumerate(ids)},
+                "sampled_token_ids": sampled,
+                "logprobs": None,
+                "prompt_logprobs_dict": {},
+                "pooler_output": [],
+            }
+            # 0.34.0 dropped req_id_to_index; pass what this release declares.
+            declared = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+            runner_out = ModelRunnerOutput(**{k: v for k, v in fields.items() if k in declared})
             self.scheduler.update_from_output(out, runner_out)
         else:
             raise RuntimeError(f"request {request.request_id} did not finish")
@@ -396,7 +411,7 @@ class SchedulerRig:
 
 
 def run_case(
-    model_dir: Path, case: Case, fix: bool = False
+    model_dir: Path, case: Case, fix: bool = False, lookahead_hashes: bool = True
 ) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
     """Run producer A to completion, measure B's per-group boundaries, then run B.
 
@@ -410,6 +425,7 @@ def run_case(
             num_spec=case.num_spec,
             token_budget=case.budget,
             predecessor_checkpoint=fix,
+            lookahead_hashes=lookahead_hashes,
         ),
     )
     a_tokens, b_tokens = prompts(case)

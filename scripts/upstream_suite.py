@@ -38,8 +38,16 @@ class SuiteError(RuntimeError):
 
 def sdist_path(explicit: Path | None = None) -> Path:
     """The pinned sdist: an explicit file, a wheelhouse copy, or a download, sha256-checked."""
-    version = pins.get("vllm.version")
-    want = pins.get("vllm.sdist_sha256")
+    return fetch_sdist(
+        pins.get("vllm.version"),
+        pins.get("vllm.sdist_url"),
+        pins.get("vllm.sdist_sha256"),
+        explicit,
+    )
+
+
+def fetch_sdist(version: str, url: str, want: str, explicit: Path | None = None) -> Path:
+    """One release's sdist: an explicit file, a wheelhouse copy, or a download, sha256-checked."""
     name = f"vllm-{version}.tar.gz"
     candidates = [explicit] if explicit else []
     if os.environ.get("KIT_WHEELHOUSE"):
@@ -53,15 +61,15 @@ def sdist_path(explicit: Path | None = None) -> Path:
     CACHE.mkdir(exist_ok=True)
     target = CACHE / name
     partial = target.with_suffix(".part")
-    print(f"downloading {pins.get('vllm.sdist_url')}", file=sys.stderr)
+    print(f"downloading {url}", file=sys.stderr)
     with (
-        urllib.request.urlopen(pins.get("vllm.sdist_url"), timeout=120) as resp,
+        urllib.request.urlopen(url, timeout=120) as resp,
         partial.open("wb") as out,
     ):
         shutil.copyfileobj(resp, out)
     if pins.file_sha256(partial) != want:
         partial.unlink()
-        raise SuiteError("downloaded sdist does not match vllm.sdist_sha256 in pins.toml")
+        raise SuiteError(f"downloaded {name} does not match its sdist_sha256 in pins.toml")
     partial.replace(target)
     return target
 

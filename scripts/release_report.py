@@ -1,0 +1,163 @@
+"""`make regress VLLM=<release>`: the geometry table on a later vLLM release.
+
+The release runs from its sdist (``scripts/releases.py``) in its own process,
+twice: with its default hashing (lookahead block hashes for EAGLE/MTP: each key
+also covers the L tokens the drafter reads past it, no one-unit drop) and with
+``disable_lookahead_block_hashes`` (the 0.32.0 hashing, which KV connectors
+also get). Expectations:
+
+- legacy hashes: the geometry model of 0.32.0 (``expected(case, patched=False)``);
+  a case where the release resumes elsewhere is reported ``DIFFERS``;
+- lookahead hashes: the ideal is the last hash boundary B shares *including*
+  the L lookahead tokens, ``floor((S - L) / H) * H``; below it is ``loss``.
+  The geometry model has no lookahead rules yet, so these cases carry no
+  exact per-case expectation.
+
+Both modes report the EAGLE-specific loss ((hit without speculation - H) -
+hit). ``STALE STATE`` (B resumed from a state not made by its own prefix) fails
+the run. Results: ``results/regression/<release>/regression.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from scripts import pins, releases
+from scripts.geometry_cases import all_cases
+from scripts.geometry_model import Case, expected
+from scripts.regress import eagle_specific_loss
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("lookahead", "legacy")
+
+
+def _measure(version: str, stage: str, mode: str, model_dir: Path) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "scripts.regress", "measure", "--model", str(model_dir)]
+        cmd += ["--out", out.name]
+        cmd += ["--fix"] if stage == "patched" else []
+        cmd += ["--legacy-hashes"] if mode == "legacy" else []
+        subprocess.run(cmd, check=True, env=releases.env(version, stage), cwd=ROOT)
+        data = json.loads(Path(out.name).read_text())
+    tree = releases.ensure_tree(version, stage)
+    if not data["vllm_file"].startswith(str(tree)):
+        raise RuntimeError(f"{version}/{stage}: measured {data['vllm_file']}, not {tree}")
+    return data
+
+
+def lookahead_ideal(case: Case, lookahead: int) -> int:
+    """The best resume when each hash also covers ``lookahead`` tokens and nothing is dropped."""
+    if not case.eagle or not lookahead:
+        return case.ideal
+    return max(case.shared - lookahead, 0) // case.unit * case.unit
+
+
+def verdict(case: Case, mode: str, row: dict) -> str:
+    if not row["state_ok"]:
+        return "STALE STATE"
+    if mode == "legacy":
+        return "as 0.32.0" if row["hit"] == expected(case, patched=False).hit else "DIFFERS"
+    return "ok" if row["hit"] >= lookahead_ideal(case, row["hash_lookahead"]) else "loss"
+
+
+def build(version: str, measured: dict[tuple[str, str], dict]) -> dict:
+    cases = all_cases()
+    plain = {(c.block, c.shared, c.tail): cid for cid, c in cases if c.num_spec == 0}
+    rows = []
+    for case_id, case in cases:
+        line: dict = {"case": case_id, "k": case.num_spec, "S_mod_H": case.shared % case.unit}
+        for (stage, mode), data in measured.items():
+            row = data["rows"][case_id]
+            base = data["rows"][plain[(case.block, case.shared, case.tail)]]["hit"]
+            key = f"{stage}/{mode}"
+            line[key] = {
+                "hit": row["hit"],
+                "ideal": lookahead_ideal(case, row["hash_lookahead"])
+                if mode == "lookahead"
+                else case.ideal,
+                "eagle_loss": eagle_specific_loss(case, row["hit"], base),
+                "verdict": verdict(case, mode, row),
+            }
+        rows.append(line)
+    keys = [f"{stage}/{mode}" for stage, mode in measured]
+    return {
+        "vllm_version": version,
+        "pinned_version": pins.get("vllm.version"),
+        "mods": [m.name for m in releases.release_mods(version)],
+        "unit": cases[0][1].unit,
+        "rows": rows,
+        "summary": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in keys},
+        "eagle_specific_loss": {
+            k: {
+                "cases": sum((r[k]["eagle_loss"] or 0) > 0 for r in rows),
+                "tokens": sum(max(r[k]["eagle_loss"] or 0, 0) for r in rows),
+            }
+            for k in keys
+        },
+        "sdist_sha256": releases.release_pins(version)["sdist_sha256"],
+    }
+
+
+def render(report: dict) -> str:
+    from tabulate import tabulate
+
+    keys = list(report["summary"])
+    headers = ["case"] + [f"{k} hit (ideal)" for k in keys] + [f"{k}" for k in keys]
+    body = [
+        [r["case"]]
+        + [f"{r[k]['hit']} ({r[k]['ideal']})" for k in keys]
+        + [r[k]["verdict"] for k in keys]
+        for r in report["rows"]
+    ]
+    mods_line = ", ".join(report["mods"]) or "none made for this release: unpatched only"
+    return "\n".join(
+        [
+            f"# Regression on vLLM {report['vllm_version']} (sdist sha256 "
+            f"{report['sdist_sha256'][:12]})",
+            "",
+            __doc__.strip(),
+            "",
+            f"Mods: {mods_line}.",
+            "",
+            f"Summary: {report['summary']}",
+            "",
+            f"EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}",
+            "",
+            tabulate(body, headers=headers, tablefmt="github"),
+            "",
+        ]
+    )
+
+
+def run(version: str, quiet: bool = False, out_root: Path | None = None) -> int:
+    from scripts.tiny_model import write_tiny_model
+
+    try:
+        stage_list = releases.stages(version)
+    except releases.ReleaseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    measured = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "tiny")
+        for stage in stage_list:
+            for mode in MODES:
+                measured[(stage, mode)] = _measure(version, stage, mode, model_dir)
+    report = build(version, measured)
+    out_dir = (out_root or ROOT / "results" / "regression") / version
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "regression.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = render(report)
+    (out_dir / "regression.md").write_text(text)
+    if not quiet:
+        print(text)
+    print(f"summary: {report['summary']}")
+    print(f"EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
+    print(f"wrote {out_dir / 'regression.json'} and regression.md")
+    stale = any("STALE STATE" in s for s in report["summary"].values())
+    return 1 if stale else 0
