@@ -6,7 +6,7 @@ PYTHON ?= python3.11
 VENV_PY := .venv/bin/python
 TREES := unpatched patched
 
-.PHONY: help setup test lint mods-list regress upstream-suite tiny-model bench bench-cpu \
+.PHONY: help setup test lint mods-list mods-drift regress upstream-suite tiny-model bench bench-cpu \
   turn-cost bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images
@@ -28,6 +28,9 @@ test: setup lint ## everything CI runs: lint, the suite on both trees, vLLM's ow
 lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff check scripts tests
 	$(VENV_PY) -m ruff format --check scripts tests
+
+mods-drift: setup ## every mod against every known vLLM release: applies / applied / drift, still needed
+	$(VENV_PY) -m scripts.mods_drift
 
 mods-list: setup ## the mods and their state against both trees
 	@for tree in $(TREES); do $(VENV_PY) -m scripts.mods list --tree .trees/$$tree/vllm; done

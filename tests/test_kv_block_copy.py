@@ -16,40 +16,9 @@ import sys
 import pytest
 
 from scripts import cpu_env
+from scripts.kv_copy_check import CHECK, LAYERS
 
 pytestmark = pytest.mark.cpu
-
-NUM_BLOCKS = 6
-TOKENS = 64  # attention tokens per block
-HEAD = 64  # head size; K and V side by side: 2 * HEAD per token row
-PAGE = TOKENS * 2 * HEAD * 2  # bytes: tokens x (K|V) x bf16
-MAMBA_BYTES = PAGE * 270336 // 524288  # the tiny model's ratio: 51.6 % of the page
-LAYERS = 2
-
-# One self-contained check, run in the test process and in a pristine interpreter.
-CHECK = f"""
-import json, torch
-from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
-
-n, tokens, head = {NUM_BLOCKS}, {TOKENS}, {HEAD}
-page, mamba, layers = {PAGE}, {MAMBA_BYTES}, {LAYERS}
-raw = torch.zeros(layers * n * page, dtype=torch.int8)
-caches, attention = [], []
-for layer in range(layers):
-    base = layer * n * page
-    mamba_view = torch.as_strided(raw, (n, 1, 1, mamba), (page, mamba, mamba, 1), base)
-    attn_view = torch.as_strided(
-        raw.view(torch.bfloat16), (n, 1, tokens, 2 * head),
-        (page // 2, tokens * 2 * head, 2 * head, 1), base // 2,
-    )
-    caches += [mamba_view, attn_view]
-    attention.append(attn_view)
-for view in attention:
-    view[2].uniform_(-1, 1)
-copy_kv_cache_blocks_inplace(caches, n, [(2, 4)])
-equal = [float((v[4] == v[2]).float().mean()) for v in attention]
-print(json.dumps(equal))
-"""
 
 
 def _fractions(python: str, env_path: str | None) -> list[float]:

@@ -1,0 +1,77 @@
+"""`make mods-drift`: every mod against every vLLM release the kit knows.
+
+For each mod and each release (the pinned one and pins.toml [releases]): does
+its patch apply to the release's pristine package, is it already applied (the
+release took the change), or does it drift? And, where the kit has a check for
+it, is it still needed there (the bug reproduces without the mod)?
+Writes ``results/mods-drift.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts import cpu_env, mods, pins, releases
+from scripts.kv_copy_check import CHECK
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Whether the bug a mod fixes reproduces on a pristine package; run in a process
+# whose vllm is that package. Prints "needed" or "not needed".
+NEEDED_CHECKS = {
+    "fix-cow-aliased-kv-copy": "tests/test_kv_block_copy.py",
+}
+
+
+def _pristine(version: str) -> tuple[Path, dict[str, str]]:
+    if version == pins.get("vllm.version"):
+        tree = cpu_env.venv_vllm()
+        return tree, dict(os.environ, PYTHONPATH=str(ROOT))
+    tree = releases.ensure_tree(version)
+    return tree, releases.env(version)
+
+
+def _needed(mod: str, env: dict[str, str]) -> str:
+    if mod not in NEEDED_CHECKS:
+        return "no check"
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    if done.returncode != 0:
+        return "check failed: " + (done.stderr.strip().splitlines() or ["?"])[-1]
+    fractions = json.loads(done.stdout.strip().splitlines()[-1])
+    return "not needed" if all(f == 1.0 for f in fractions) else "needed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "mods-drift.json")
+    args = parser.parse_args(argv)
+    from tabulate import tabulate
+
+    versions = [pins.get("vllm.version"), *sorted(releases.known())]
+    table, rows = [], []
+    for name in mods.available():
+        mod = mods.load_mod(name)
+        line = [name, mod.manifest["vllm_version"]]
+        for version in versions:
+            tree, env = _pristine(version)
+            state = mods.state(mod, tree).value
+            needed = _needed(name, env)
+            rows.append({"mod": name, "release": version, "state": state, "needed": needed})
+            line.append(f"{state}; {needed}")
+        table.append(line)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(tabulate(table, headers=["mod", "made for", *versions]))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
