@@ -8,8 +8,9 @@ to run). Hence:
 
 - ``same``:  the greedy tokens equal the cold run's and the first position's
   top-k log-probabilities agree within the tolerance;
-- ``tie``:   the first position agrees within the tolerance, the greedy tokens
-  part later: a near-tie flipped by numerics, not a wrong state;
+- ``tie``:   the first position agrees within the tolerance but the greedy tokens
+  part (at that position or later): a near-tie flipped by numerics, not a wrong
+  state;
 - ``wrong``: the first position disagrees beyond the tolerance (or the cold
   run's top token is missing from the cached top-k): the state is not the one
   the cache claims.
