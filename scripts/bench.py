@@ -255,11 +255,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "median_cached": statistics.median(r["cached_tokens"] for r in sel),
                 "expected_cached": sel[0]["expected_cached"],
                 "flagged_no_hit": sum(not r["hit_ok"] for r in sel),
-                "distinct_cached": sorted({r["cached_tokens"] for r in sel}),
                 # cached_B only: the oracle's verdicts against the cold reference.
-                "same_answer_as_cold": sum(r["oracle"]["verdict"] == "same" for r in sel)
-                if kind == "cached_B"
-                else None,
                 "verdicts": {
                     v: sum(r["oracle"]["verdict"] == v for r in sel)
                     for v in ("same", "tie", "wrong")
@@ -267,18 +263,21 @@ def summarize(rows: list[dict]) -> list[dict]:
                 if kind == "cached_B"
                 else None,
             }
-        pairs = {}
-        for r in rows:
-            if (r["S"], r["kind"]) == (shared, kind):
-                pairs.setdefault(r["rep"], {})[r["tree"]] = r["ttft_s"]
-        ratios = sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
-        line["ratio_patched_unpatched"] = {
-            "median": statistics.median(ratios),
-            "min": ratios[0],
-            "max": ratios[-1],
-        }
+        line["ratio_patched_unpatched"] = paired_ratio(
+            [r for r in rows if (r["S"], r["kind"]) == (shared, kind)], "ttft_s"
+        )
         out.append(line)
     return out
+
+
+def paired_ratio(rows: list[dict], key: str) -> dict:
+    """patched/unpatched of ``key`` per repetition (the two sides run back to back):
+    median, min and max."""
+    pairs: dict = {}
+    for r in rows:
+        pairs.setdefault(r["rep"], {})[r["tree"]] = r[key]
+    ratios = sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
 
 
 def table(summary: list[dict]) -> tuple[list[str], list[list]]:
@@ -308,7 +307,7 @@ def table(summary: list[dict]) -> tuple[list[str], list[list]]:
                 f"{u['expected_cached']}/{p['expected_cached']}",
                 f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})",
                 f"{u['flagged_no_hit']}/{p['flagged_no_hit']}",
-                "" if u.get("same_answer_as_cold") is None else f"{_answers(u)} / {_answers(p)}",
+                "" if u.get("verdicts") is None else f"{_answers(u)} / {_answers(p)}",
             ]
         )
     return headers, body

@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tarfile
 from pathlib import Path
 
 from scripts import mods, pins
-from scripts.upstream_suite import fetch_sdist
+from scripts.upstream_suite import fetch_sdist, unpack_sdist_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / ".trees" / "releases"
@@ -80,16 +79,7 @@ def ensure_tree(version: str, stage: str = "unpatched") -> Path:
     build = home.with_name(f".{stage}.building")
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
-    prefix = f"vllm-{version}/vllm/"
-    with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            if member.name.startswith(prefix) and (member.isfile() or member.isdir()):
-                member.name = member.name[len(f"vllm-{version}/") :]
-                members.append(member)
-        if not members:
-            raise ReleaseError(f"{sdist}: no vllm/ package inside; is it a vLLM sdist?")
-        tar.extractall(build, members=members, filter="data")
+    unpack_sdist_dir(sdist, version, "vllm", build)
     if patch_mods:
         mods.apply(build / "vllm", patch_mods)
     (build / STAMP).write_text(json.dumps(want, indent=1) + "\n")

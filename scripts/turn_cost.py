@@ -132,16 +132,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 vals = [r.get(key, 0) for r in rows if r["tree"] == tree and r["turn"] == turn]
                 per_tree[tree] = statistics.median(vals) if vals else 0
             line[key] = per_tree
-        pairs = defaultdict(dict)
-        for r in rows:
-            if r["turn"] == turn:
-                pairs[r["rep"]][r["tree"]] = r["wall_s"]
-        ratios = sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
-        line["ratio_wall"] = {
-            "median": statistics.median(ratios),
-            "min": ratios[0],
-            "max": ratios[-1],
-        }
+        line["ratio_wall"] = bench.paired_ratio([r for r in rows if r["turn"] == turn], "wall_s")
         table.append(line)
     return table
 

@@ -83,14 +83,7 @@ def extract_tests(sdist: Path) -> Path:
     build = dest.with_name(dest.name + ".building")
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
-    prefix = f"vllm-{pins.get('vllm.version')}/"
-    with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            if member.name.startswith(prefix + "tests/") and (member.isfile() or member.isdir()):
-                member.name = member.name[len(prefix) :]
-                members.append(member)
-        tar.extractall(build, members=members, filter="data")
+    unpack_sdist_dir(sdist, pins.get("vllm.version"), "tests", build)
     # Our pyproject's strict pytest settings must not apply to upstream's tests.
     (build / "pytest.ini").write_text("[pytest]\n")
     stamp_tmp = build / ".kit-stamp"
@@ -98,6 +91,20 @@ def extract_tests(sdist: Path) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     build.replace(dest)
     return dest
+
+
+def unpack_sdist_dir(sdist: Path, version: str, subdir: str, dest: Path) -> None:
+    """Unpack ``vllm-<version>/<subdir>/`` of an sdist as ``dest/<subdir>/`` (files only)."""
+    top = f"vllm-{version}/"
+    with tarfile.open(sdist) as tar:
+        members = []
+        for member in tar.getmembers():
+            if member.name.startswith(f"{top}{subdir}/") and (member.isfile() or member.isdir()):
+                member.name = member.name[len(top) :]
+                members.append(member)
+        if not members:
+            raise SuiteError(f"{sdist}: no {subdir}/ inside; is it the vLLM {version} sdist?")
+        tar.extractall(dest, members=members, filter="data")
 
 
 def start_suite(
