@@ -40,10 +40,8 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
 
     rows = {}
     geometry = {}
-    lookahead = {}
     for case_id, case in all_cases():
         rig, a, b, bounds = run_case(model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes)
-        lookahead[case_id] = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
         rows[case_id] = {
             "a_chunk_ends": rig.chunk_ends[a.request_id],
             "fa_match": bounds.fa_match,
@@ -52,7 +50,7 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
             "state_ok": b.resumed_from_own_prefix(),
             "fa_partials": rig.partial_entries_of(a.request_id, 0),
             "mamba_partials": rig.partial_entries_of(a.request_id, 1),
-            "hash_lookahead": lookahead[case_id],
+            "hash_lookahead": getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0),
         }
         geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
     return {"vllm_file": vllm.__file__, "rows": rows, "geometry": geometry}
@@ -116,14 +114,28 @@ def eagle_specific_loss(case: Case, hit: int, hit_without_spec: int) -> int | No
     return max(hit_without_spec - case.unit, 0) - hit
 
 
+def without_speculation() -> dict[str, str]:
+    """Each case id -> the id of the same geometry with k = 0."""
+    cases = all_cases()
+    plain = {(c.block, c.shared, c.tail): cid for cid, c in cases if c.num_spec == 0}
+    return {cid: plain[(c.block, c.shared, c.tail)] for cid, c in cases}
+
+
+def loss_totals(losses: list[int | None]) -> dict[str, int]:
+    """Cases that lose tokens to speculation alone, and how many tokens in all."""
+    return {
+        "cases": sum((x or 0) > 0 for x in losses),
+        "tokens": sum(max(x or 0, 0) for x in losses),
+    }
+
+
 def build_report(unpatched: dict, patched: dict) -> dict:
     rows = []
-    cases = all_cases()
-    by_geometry = {(c.block, c.shared, c.tail, c.num_spec): cid for cid, c in cases}
-    for case_id, case in cases:
+    plain_of = without_speculation()
+    for case_id, case in all_cases():
         u, p = unpatched["rows"][case_id], patched["rows"][case_id]
         want = expected(case, patched=True)
-        plain = by_geometry[(case.block, case.shared, case.tail, 0)]
+        plain = plain_of[case_id]
         rows.append(
             {
                 "case": case_id,
@@ -157,10 +169,7 @@ def build_report(unpatched: dict, patched: dict) -> dict:
         "rows": rows,
         "summary": dict(Counter(r["verdict"] for r in rows)),
         "eagle_specific_loss": {
-            tree: {
-                "cases": sum((r[f"eagle_loss_{tree}"] or 0) > 0 for r in rows),
-                "tokens": sum(max(r[f"eagle_loss_{tree}"] or 0, 0) for r in rows),
-            }
+            tree: loss_totals([r[f"eagle_loss_{tree}"] for r in rows])
             for tree in ("unpatched", "patched")
         },
         "geometry_identical": unpatched["geometry"] == patched["geometry"],

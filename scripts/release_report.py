@@ -30,7 +30,7 @@ from pathlib import Path
 from scripts import pins, releases
 from scripts.geometry_cases import all_cases
 from scripts.geometry_model import Case, expected
-from scripts.regress import eagle_specific_loss
+from scripts.regress import eagle_specific_loss, loss_totals, without_speculation
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("lookahead", "legacy")
@@ -67,13 +67,13 @@ def verdict(case: Case, mode: str, row: dict) -> str:
 
 def build(version: str, measured: dict[tuple[str, str], dict]) -> dict:
     cases = all_cases()
-    plain = {(c.block, c.shared, c.tail): cid for cid, c in cases if c.num_spec == 0}
+    plain_of = without_speculation()
     rows = []
     for case_id, case in cases:
         line: dict = {"case": case_id, "k": case.num_spec, "S_mod_H": case.shared % case.unit}
         for (stage, mode), data in measured.items():
             row = data["rows"][case_id]
-            base = data["rows"][plain[(case.block, case.shared, case.tail)]]["hit"]
+            base = data["rows"][plain_of[case_id]]["hit"]
             key = f"{stage}/{mode}"
             line[key] = {
                 "hit": row["hit"],
@@ -92,13 +92,7 @@ def build(version: str, measured: dict[tuple[str, str], dict]) -> dict:
         "unit": cases[0][1].unit,
         "rows": rows,
         "summary": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in keys},
-        "eagle_specific_loss": {
-            k: {
-                "cases": sum((r[k]["eagle_loss"] or 0) > 0 for r in rows),
-                "tokens": sum(max(r[k]["eagle_loss"] or 0, 0) for r in rows),
-            }
-            for k in keys
-        },
+        "eagle_specific_loss": {k: loss_totals([r[k]["eagle_loss"] for r in rows]) for k in keys},
         "sdist_sha256": releases.release_pins(version)["sdist_sha256"],
     }
 
