@@ -18,12 +18,13 @@ help: ## list the targets with one line each
 setup: ## create .venv with the pinned CPU vLLM and torch, and the unpatched/patched trees
 	$(PYTHON) -m scripts.setup_env
 
-test: setup lint ## everything CI runs: lint, the suite on both trees, vLLM's own prefix-cache suite
+test: setup lint ## everything CI runs: lint, the suite on both trees, vLLM's own prefix-cache suite (pinned and newest release)
 	@for tree in $(TREES); do \
 	  echo "== pytest on the $$tree tree"; \
 	  KIT_TREE=$$tree $(VENV_PY) -m pytest -q -p no:cacheprovider || exit 1; \
 	done
 	$(VENV_PY) -m scripts.upstream_suite
+	$(VENV_PY) -m scripts.upstream_suite --vllm newest
 
 lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff check scripts tests
@@ -62,7 +63,9 @@ report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU
 ENGINE ?= auto
 NODES ?= 1
 SHARED ?=
-ORCH = $(VENV_PY) -m scripts.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL))
+# VLLM=<release from pins.toml [releases]>: gb10/strix images built from that release.
+ORCH = $(VENV_PY) -m scripts.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
+  $(if $(VLLM),--vllm $(VLLM))
 ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED))
 
 bench-gb10: setup ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
@@ -88,20 +91,20 @@ VLLM ?=
 regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
 	$(VENV_PY) -m scripts.regress $(if $(VLLM),--vllm $(VLLM))
 
-upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees
-	$(VENV_PY) -m scripts.upstream_suite
+upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees (VLLM=0.33.0|0.34.0|newest: a later release's)
+	$(VENV_PY) -m scripts.upstream_suite $(if $(VLLM),--vllm $(VLLM))
 
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
 	$(VENV_PY) -m scripts.tiny_model --out .models/tiny-qwen3-next
 
-build-gb10: setup ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE= to override)
-	$(VENV_PY) -m scripts.images gb10 $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+build-gb10: setup ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
+	$(VENV_PY) -m scripts.images gb10 $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
-build-strix: setup ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override)
-	$(VENV_PY) -m scripts.images strix $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+build-strix: setup ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
+	$(VENV_PY) -m scripts.images strix $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
 build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
-	$(VENV_PY) -m scripts.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE))
+	$(VENV_PY) -m scripts.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
 lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores only)
 	.venv/bin/hadolint images/*/Dockerfile

@@ -19,6 +19,7 @@ No pass/fail threshold on TTFT: the report gives medians, spread and ratios.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -130,9 +131,13 @@ def locked_serve_args(key: str, store: Path, unit: int) -> tuple[list[str], int]
 
 
 def fix_flags(target: str) -> list[str]:
+    """The patched server's switches: those of the mods made for the vLLM this
+    process finds (an image may carry a later release than the pinned one)."""
+    spec = importlib.util.find_spec("vllm")  # located, not imported: no GPU init
+    release = mods.tree_version(Path(spec.origin).parent)[0] if spec and spec.origin else None
     return [
         m.manifest["enable_flag"]
-        for m in mods.mods_for_target(target, "patched")
+        for m in mods.mods_for_target(target, "patched", release=release)
         if "enable_flag" in m.manifest
     ]
 

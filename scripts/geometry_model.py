@@ -4,6 +4,11 @@ An independent model of vLLM 0.32.0's documented prefix-cache rules for one
 producer A (N = S + U tokens) followed by B (S shared tokens), under a
 scheduler token budget per step (vLLM's ``max_num_batched_tokens``). It does
 not import vLLM: the suite compares the real scheduler against these numbers.
+
+From 0.33.0, EAGLE/MTP prompts get lookahead block hashes by default: the key of
+each H-token unit also covers the next L tokens (L = 1 for EAGLE and MTP), and
+nothing is dropped. ``lookahead=L`` selects those rules; ``lookahead=0`` is the
+0.32.0 hashing, which later releases keep under ``disable_lookahead_block_hashes``.
 """
 
 from __future__ import annotations
@@ -73,9 +78,19 @@ class Expected:
     mamba_partials: tuple[int, ...]
 
 
-def _checkpoints(case: Case, patched: bool) -> tuple[int, int, int]:
+def _proof_limit(case: Case, lookahead: int) -> int:
+    """Tokens of A a stored position may cover: the last one (or the L it hashes
+    past a boundary) is left for the follow-up to prove."""
+    return case.producer_len - max(1, lookahead)
+
+
+def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, int, int]:
     """(last block checkpoint, tail checkpoint, predecessor checkpoint) for A."""
     n, b, h = case.producer_len, case.block, case.unit
+    if case.eagle and lookahead:
+        limit = _proof_limit(case, lookahead)
+        tail = limit // h * h
+        return limit // b * b, tail, max(tail - h, 0) if patched else 0
     if case.eagle:
         last_block = max(n // b * b - b, 0)
         tail = max(n // h * h - h, 0)
@@ -87,11 +102,16 @@ def _checkpoints(case: Case, patched: bool) -> tuple[int, int, int]:
     return last_block, tail, pred
 
 
-def producer_chunk_ends(case: Case, patched: bool) -> tuple[int, ...]:
+def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
     n, b = case.producer_len, case.block
-    last_block, tail, pred = _checkpoints(case, patched)
+    last_block, tail, pred = _checkpoints(case, patched, lookahead)
     stops = [last_block]
-    stops += [p for p in (tail, pred) if last_block < p < n]
+    stops += [p for p in (tail,) if last_block < p < n]
+    if lookahead:
+        # The lookahead fix also stops inside the block below a block-aligned checkpoint.
+        stops += [p for p in (pred,) if last_block - b < p < n]
+    else:
+        stops += [p for p in (pred,) if last_block < p < n]
     ends, start = [], 0
     while start < n:
         inside = [s for s in stops if start < s < n]
@@ -108,24 +128,34 @@ def producer_chunk_ends(case: Case, patched: bool) -> tuple[int, ...]:
     return tuple(ends)
 
 
-def fa_partials(case: Case, patched: bool) -> tuple[int, ...]:
+def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
     n, b, h = case.producer_len, case.block, case.unit
-    tail = (n if case.eagle else n - 1) // h * h
+    if case.eagle and lookahead:
+        # A unit is hashed only once its lookahead tokens exist.
+        tail = _proof_limit(case, lookahead) // h * h
+    else:
+        tail = (n if case.eagle else n - 1) // h * h
     wanted = [tail] + ([tail - h] if case.eagle and patched else [])
     return tuple(p for p in wanted if p > 0 and p % b)
 
 
-def expected(case: Case, patched: bool) -> Expected:
+def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
+    """``lookahead``: tokens each hash covers past its unit (0: the 0.32.0 hashing)."""
     b, h, s = case.block, case.unit, case.shared
-    ends = producer_chunk_ends(case, patched)
-    _, tail, pred = _checkpoints(case, patched)
+    lookahead = lookahead if case.eagle else 0
+    ends = producer_chunk_ends(case, patched, lookahead)
+    _, tail, pred = _checkpoints(case, patched, lookahead)
     mamba_partials = tuple(p for p in (tail, pred) if p in ends and p % b)
     # Mamba states A leaves behind: block-aligned chunk ends and its checkpoints.
     states = {e for e in ends if e % b == 0 and e < case.producer_len} | set(mamba_partials)
-    base = s // h * h
-    block_floor = s // b * b
-    partial = [p for p in fa_partials(case, patched) if block_floor < p <= base]
+    # B's keys match while their lookahead tokens are shared too.
+    shared = max(s - lookahead, 0)
+    base = shared // h * h
+    block_floor = shared // b * b
+    fa_entries = fa_partials(case, patched, lookahead)
+    partial = [p for p in fa_entries if block_floor < p <= base]
     fa = max(partial, default=block_floor)
-    fa_eagle = max(fa - h, 0) if case.eagle and fa else fa
+    # Lookahead hashes prove the boundary token: no EAGLE drop.
+    fa_eagle = max(fa - h, 0) if case.eagle and fa and not lookahead else fa
     hit = max((p for p in states if p <= fa_eagle), default=0)
-    return Expected(ends, fa, fa_eagle, hit, fa_partials(case, patched), mamba_partials)
+    return Expected(ends, fa, fa_eagle, hit, fa_entries, mamba_partials)

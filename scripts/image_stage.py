@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.target and args.stage):
         parser.error("--target and --stage are required")
-    for line in mods.apply(installed_vllm(), mods.mods_for_target(args.target, args.stage)):
+    tree = installed_vllm()
+    release, _ = mods.tree_version(tree)
+    for line in mods.apply(tree, mods.mods_for_target(args.target, args.stage, release=release)):
         print(line)
     data = record(args.target, args.stage)
     if args.stage == "patched" and not data["mods"]:

@@ -42,11 +42,10 @@ def source_sha256() -> str:
     return digest.hexdigest()
 
 
-def build_args(target: str) -> dict[str, str]:
-    args = pins.build_args(target)
-    args["KIT_MODS"] = ",".join(
-        f"{m.name}@{m.patch_sha256[:16]}" for m in mods.mods_for_target(target, "patched")
-    )
+def build_args(target: str, release: str | None = None) -> dict[str, str]:
+    args = pins.build_args(target, release=release)
+    patched = mods.mods_for_target(target, "patched", release=args["VLLM_VERSION"])
+    args["KIT_MODS"] = ",".join(f"{m.name}@{m.patch_sha256[:16]}" for m in patched)
     args["KIT_SOURCE_SHA256"] = source_sha256()
     return args
 
@@ -58,12 +57,14 @@ def is_current(labels: dict[str, str]) -> bool:
     )
 
 
-def image_tag(target: str, stage: str) -> str:
-    return f"hybrid-prefix-kit/{target}:{pins.get('vllm.version')}-{stage}"
+def image_tag(target: str, stage: str, release: str | None = None) -> str:
+    return f"hybrid-prefix-kit/{target}:{release or pins.get('vllm.version')}-{stage}"
 
 
-def docker_build_cmd(target: str, stage: str, base_image: str | None = None) -> list[str]:
-    args = build_args(target)
+def docker_build_cmd(
+    target: str, stage: str, base_image: str | None = None, release: str | None = None
+) -> list[str]:
+    args = build_args(target, release)
     if base_image:
         args["BASE_IMAGE"] = base_image
     if not pins.is_resolved(args["BASE_IMAGE"]):
@@ -79,7 +80,7 @@ def docker_build_cmd(target: str, stage: str, base_image: str | None = None) -> 
         "--target",
         stage,
         "-t",
-        image_tag(target, stage),
+        image_tag(target, stage, args["VLLM_VERSION"]),
         "-f",
         str(ROOT / "images" / target / "Dockerfile"),
     ]
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-image", help="override the pinned base (e.g. a local mirror)")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument(
+        "--vllm",
+        metavar="RELEASE",
+        help="a later vLLM release from pins.toml [releases] (default: the pinned one)",
+    )
+    parser.add_argument(
         "--print-run-flags",
         action="store_true",
         help="print the docker run flags for the target and exit",
@@ -108,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     (ROOT / "wheelhouse").mkdir(exist_ok=True)  # the Dockerfiles COPY it; may stay empty
     try:
         for stage in args.stage or STAGES:
-            cmd = docker_build_cmd(args.target, stage, args.base_image)
+            cmd = docker_build_cmd(args.target, stage, args.base_image, args.vllm)
             print("+", shlex.join(cmd), flush=True)
             if not args.dry_run:
                 subprocess.run(cmd, check=True)
-    except mods.ModError as exc:
+    except (mods.ModError, pins.PinError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError:

@@ -35,7 +35,8 @@ REQUIRED_KEYS = {
     "summary": str,
     "why": str,
     "upstream": list,
-    "vllm_version": str,
+    # One release, or a list when one patch was measured on several.
+    "vllm_version": (str, list),
     "files": list,
     "targets": list,
 }
@@ -74,6 +75,11 @@ class Mod:
         return hashlib.sha256(self.patch_text.encode()).hexdigest()
 
     @property
+    def releases(self) -> list[str]:
+        """The vLLM releases this patch was made and measured for."""
+        return self.manifest["vllm_version"]
+
+    @property
     def files(self) -> list[udiff.FilePatch]:
         return udiff.parse(self.patch_text)
 
@@ -92,9 +98,14 @@ def load_mod(name: str, mods_dir: Path = MODS_DIR) -> Mod:
         raise ModError(f"mod {name}: malformed manifest {manifest_path}: {exc}") from exc
     for key, kind in REQUIRED_KEYS.items():
         if not isinstance(manifest.get(key), kind):
-            raise ModError(
-                f"mod {name}: manifest {manifest_path} needs {key!r} as a {kind.__name__}"
-            )
+            kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ModError(f"mod {name}: manifest {manifest_path} needs {key!r} as a {kinds}")
+    releases = manifest["vllm_version"]
+    if isinstance(releases, str):
+        releases = [releases]
+    if not releases or not all(isinstance(v, str) for v in releases):
+        raise ModError(f"mod {name}: 'vllm_version' must name at least one release")
+    manifest["vllm_version"] = releases
     if manifest["name"] != name:
         raise ModError(f"mod {name}: manifest names itself {manifest['name']!r}")
     bad = set(manifest["targets"]) - set(TARGETS)
@@ -130,14 +141,27 @@ def available(mods_dir: Path = MODS_DIR) -> list[str]:
     return sorted(p.name for p in mods_dir.iterdir() if (p / "mod.toml").is_file())
 
 
-def mods_for_target(target: str, stage: str = "patched", mods_dir: Path = MODS_DIR) -> list[Mod]:
-    """The mods an image target's stage gets, in name order."""
+def mods_for_target(
+    target: str,
+    stage: str = "patched",
+    mods_dir: Path = MODS_DIR,
+    release: str | None = None,
+) -> list[Mod]:
+    """The mods an image target's stage gets on a vLLM release (default: the pinned
+    one), in name order."""
+    release = release or pins.get("vllm.version")
     if target not in TARGETS:
         raise ModError(f"unknown target {target!r}; use one of {TARGETS}")
     if stage not in STAGES:
         raise ModError(f"unknown stage {stage!r}; use one of {STAGES}")
     loaded = [load_mod(n, mods_dir) for n in available(mods_dir)]
-    return [m for m in loaded if target in m.manifest["targets"] and stage in m.manifest["stages"]]
+    return [
+        m
+        for m in loaded
+        if target in m.manifest["targets"]
+        and stage in m.manifest["stages"]
+        and release in m.releases
+    ]
 
 
 # -- the vLLM tree --------------------------------------------------------------
@@ -156,7 +180,8 @@ def tree_version(tree: Path) -> tuple[str, str | None]:
     commit = re.search(r"__commit_id__\s*=\s*commit_id\s*=\s*['\"]([^'\"]+)", text)
     if not version:
         raise ModError(f"{version_file}: no __version__ found")
-    return version.group(1), commit.group(1) if commit else None
+    # A source build's local label (0.34.0+cu130) names the same release.
+    return version.group(1).split("+", 1)[0], commit.group(1) if commit else None
 
 
 def _read(tree: Path, rel: str) -> str:
@@ -178,7 +203,7 @@ def _transform(mod: Mod, contents: dict[str, str], tree: Path, reverse: bool) ->
         except udiff.HunkFailed as exc:
             raise ModError(
                 f"mod {mod.name}: {exc} in {tree / fp.path}; the tree drifted from "
-                f"vLLM {mod.manifest['vllm_version']} the mod was made for"
+                f"vLLM {', '.join(mod.releases)} the mod was made for"
             ) from exc
     return out
 
@@ -299,9 +324,9 @@ def _write_provenance(tree: Path, applied: list[Mod], removed: list[str]) -> Non
 def _run(tree: Path, mods: list[Mod], force: bool, reverse: bool) -> list[str]:
     version, _ = tree_version(tree)
     for mod in mods:
-        if version != mod.manifest["vllm_version"] and not force:
+        if version not in mod.releases and not force:
             raise ModError(
-                f"mod {mod.name} was made for vLLM {mod.manifest['vllm_version']}, "
+                f"mod {mod.name} was made for vLLM {', '.join(mod.releases)}, "
                 f"the tree at {tree} is vLLM {version}; re-measure and port the mod, "
                 "or pass --force to try anyway"
             )
@@ -343,7 +368,7 @@ def revert(tree: Path, mods: list[Mod], force: bool = False) -> list[str]:
 # -- CLI ----------------------------------------------------------------------
 def _select(args: argparse.Namespace) -> list[Mod]:
     if args.target:
-        return mods_for_target(args.target, args.stage)
+        return mods_for_target(args.target, args.stage, release=tree_version(args.tree)[0])
     if not args.mods:
         raise ModError("name at least one mod, or pass --target cpu|gb10|strix")
     return [load_mod(n) for n in args.mods]
@@ -383,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             version, _ = tree_version(tree)
             names = args.mods or available()
             selected = (
-                mods_for_target(args.target, args.stage)
+                mods_for_target(args.target, args.stage, release=version)
                 if args.target
                 else [load_mod(n) for n in names]
             )

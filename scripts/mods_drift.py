@@ -32,8 +32,8 @@ def _pristine(version: str) -> tuple[Path, dict[str, str]]:
     if version == pins.get("vllm.version"):
         tree = cpu_env.venv_vllm()
         return tree, dict(os.environ, PYTHONPATH=str(ROOT))
-    tree = releases.ensure_tree(version)
-    return tree, releases.env(version)
+    tree = releases.ensure_tree(version, "pristine")
+    return tree, releases.env(version, "pristine")
 
 
 def _needed(mod: str, env: dict[str, str]) -> str:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     table, rows = [], []
     for name in mods.available():
         mod = mods.load_mod(name)
-        line = [name, mod.manifest["vllm_version"]]
+        line = [name, ", ".join(mod.releases)]
         for version in versions:
             tree, env = _pristine(version)
             state = mods.state(mod, tree).value

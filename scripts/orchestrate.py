@@ -40,6 +40,7 @@ from scripts import (
     mods,
     pins,
     regress,
+    releases,
     upstream_suite,
 )
 from scripts.containers import (
@@ -97,8 +98,8 @@ def check_host(target: str, disk_path: Path, probe: hostcheck.Probe | None = Non
 # 2. images ----------------------------------------------------------------------
 
 
-def image_ref(engine_kind: str, target: str, stage: str) -> str:
-    tag = images.image_tag(target, stage)
+def image_ref(engine_kind: str, target: str, stage: str, release: str | None = None) -> str:
+    tag = images.image_tag(target, stage, release)
     return f"localhost/{tag}" if engine_kind == "buildah" else tag
 
 
@@ -106,7 +107,7 @@ def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
     """Reuse an image only when it was built from these pins and kit sources."""
     found = {}
     for stage in STAGES:
-        ref = image_ref(engine.kind, target, stage)
+        ref = image_ref(engine.kind, target, stage, plan.vllm)
         info = engine.image_info(ref)
         current = bool(info) and images.is_current(info["labels"])
         reused = bool(info) and (current or plan.reuse_stale) and not plan.rebuild
@@ -115,7 +116,7 @@ def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
             if engine.kind == "buildah":
                 buildah_build.build(stage)
             else:
-                cmd = images.docker_build_cmd(target, stage, plan.base_image)
+                cmd = images.docker_build_cmd(target, stage, plan.base_image, plan.vllm)
                 log("+ " + shlex.join(cmd))
                 subprocess.run(cmd, check=True)
             info = engine.image_info(ref)
@@ -348,9 +349,7 @@ def manifest(plan, engine, host: dict, found: dict, suites: dict, model, bench: 
             for stage, info in found.items()
         },
         "vllm": {
-            "version": pins.get("vllm.version"),
-            "commit": pins.get("vllm.commit"),
-            "commit_abbrev": pins.get("vllm.commit_abbrev"),
+            key: pins.vllm_pins(plan.vllm)[key] for key in ("version", "commit", "commit_abbrev")
         },
         "mods": image_prov.get("patched", {}).get("mods", []),
         "pins_sha256": pins.file_sha256(),
@@ -390,7 +389,14 @@ def run(plan: argparse.Namespace) -> Path:
     log(f"host check ({plan.target})")
     host = check_host(plan.target, ROOT)
     model = bench_model(plan.target, plan.model, plan.store)
-    upstream_tests = upstream_suite.extract_tests(upstream_suite.sdist_path())
+    if plan.vllm:
+        # Refuse early what cannot be built (the cpu image has no later release).
+        images.build_args(plan.target, plan.vllm)
+        spec = releases.release_pins(plan.vllm)
+        sdist = upstream_suite.fetch_sdist(plan.vllm, spec["sdist_url"], spec["sdist_sha256"])
+        upstream_tests = upstream_suite.extract_tests(sdist, plan.vllm)
+    else:
+        upstream_tests = upstream_suite.extract_tests(upstream_suite.sdist_path())
     with engine_for(plan.engine, plan.target) as engine:
         found = ensure_images(engine, plan.target, plan)
         bundle.mkdir(parents=True, exist_ok=True)
@@ -446,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         help="(kit development) reuse images built from other kit sources; the manifest records it",
     )
     parser.add_argument("--out", type=Path, help="bundle folder (default: results/<date>-…)")
+    parser.add_argument(
+        "--vllm",
+        metavar="RELEASE",
+        help="gb10/strix: build and run a later vLLM release from pins.toml [releases] "
+        "(default: the pinned one)",
+    )
     plan = parser.parse_args(argv)
     plan.argv = list(argv if argv is not None else sys.argv[1:])
     plan.store = plan.store.resolve()  # container mounts need absolute paths
@@ -457,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         OrchestrateError,
         EngineUnavailable,
         mods.ModError,
+        pins.PinError,
+        releases.ReleaseError,
         buildah_build.BuildError,
         upstream_suite.SuiteError,
         subprocess.CalledProcessError,

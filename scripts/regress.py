@@ -30,12 +30,8 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
     import vllm
 
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-        # A release tree from its sdist (scripts/releases.py). From 0.34.0 vLLM's
-        # CPU platform refuses x86 without triton-cpu at config time; only the
-        # scheduler runs here, which uses no kernel.
-        import vllm.triton_utils
-
-        vllm.triton_utils.HAS_TRITON = True
+        # A release tree from its sdist (scripts/releases.py).
+        import scripts.release_plugin  # noqa: F401
     from scripts.sched_harness import cache_geometry, run_case
 
     rows = {}
@@ -103,14 +99,22 @@ def verdict(case: Case, unpatched: int, patched: int) -> str:
     return "known loss"
 
 
-def eagle_specific_loss(case: Case, hit: int, hit_without_spec: int) -> int | None:
-    """What speculation alone costs: (the same A and B without it, less EAGLE's unit) - hit.
+def eagle_specific_loss(
+    case: Case, hit: int, hit_without_spec: int, lookahead: int = 0
+) -> int | None:
+    """What speculation alone costs: (the same A and B without it, less what EAGLE
+    is entitled to) - hit.
 
-    None without speculation. The unit is the drop EAGLE is entitled to; anything
-    beyond it is lost only because drafting is on.
+    None without speculation. With the 0.32.0 hashing EAGLE is entitled to drop
+    one unit; with lookahead hashes (0.33.0 on) to stop at the last boundary B
+    shares together with its lookahead tokens. Anything beyond is lost only
+    because drafting is on.
     """
     if not case.eagle:
         return None
+    if lookahead:
+        shared = max(case.shared - lookahead, 0) // case.unit * case.unit
+        return min(hit_without_spec, shared) - hit
     return max(hit_without_spec - case.unit, 0) - hit
 
 

@@ -6,16 +6,17 @@ also covers the L tokens the drafter reads past it, no one-unit drop) and with
 ``disable_lookahead_block_hashes`` (the 0.32.0 hashing, which KV connectors
 also get). Expectations:
 
-- legacy hashes: the geometry model of 0.32.0 (``expected(case, patched=False)``);
-  a case where the release resumes elsewhere is reported ``DIFFERS``;
-- lookahead hashes: the ideal is the last hash boundary B shares *including*
-  the L lookahead tokens, ``floor((S - L) / H) * H``; below it is ``loss``.
-  The geometry model has no lookahead rules yet, so these cases carry no
-  exact per-case expectation.
+- every case, tree and hashing has an exact expectation from the geometry
+  model (``expected(case, patched, lookahead=L)``; L = 0 is the 0.32.0 model):
+  a hit elsewhere is ``DIFFERS``;
+- the ideal is the last hash boundary B shares, less EAGLE's unit with legacy
+  hashes, or *including* the L lookahead tokens with lookahead hashes,
+  ``floor((S - L) / H) * H``; a predicted hit below it is ``loss``, at it ``ok``.
 
-Both modes report the EAGLE-specific loss ((hit without speculation - H) -
-hit). ``STALE STATE`` (B resumed from a state not made by its own prefix) fails
-the run. Results: ``results/regression/<release>/regression.{json,md}``.
+Both modes report the EAGLE-specific loss: the hit without speculation, less
+what EAGLE is entitled to (one unit; with lookahead hashes down to the ideal),
+minus the hit. ``STALE STATE`` (B resumed from a state not made by its own
+prefix) fails the run. Results: ``results/regression/<release>/regression.{json,md}``.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def lookahead_ideal(case: Case, lookahead: int) -> int:
     return max(case.shared - lookahead, 0) // case.unit * case.unit
 
 
-def verdict(case: Case, mode: str, row: dict) -> str:
+def verdict(case: Case, stage: str, row: dict) -> str:
     if not row["state_ok"]:
         return "STALE STATE"
-    if mode == "legacy":
-        return "as 0.32.0" if row["hit"] == expected(case, patched=False).hit else "DIFFERS"
+    want = expected(case, patched=stage == "patched", lookahead=row["hash_lookahead"]).hit
+    if row["hit"] != want:
+        return "DIFFERS"
     return "ok" if row["hit"] >= lookahead_ideal(case, row["hash_lookahead"]) else "loss"
 
 
@@ -80,15 +82,18 @@ def build(version: str, measured: dict[tuple[str, str], dict]) -> dict:
                 "ideal": lookahead_ideal(case, row["hash_lookahead"])
                 if mode == "lookahead"
                 else case.ideal,
-                "eagle_loss": eagle_specific_loss(case, row["hit"], base),
-                "verdict": verdict(case, mode, row),
+                "eagle_loss": eagle_specific_loss(case, row["hit"], base, row["hash_lookahead"]),
+                "verdict": verdict(case, stage, row),
             }
         rows.append(line)
     keys = [f"{stage}/{mode}" for stage, mode in measured]
     return {
         "vllm_version": version,
         "pinned_version": pins.get("vllm.version"),
-        "mods": [m.name for m in releases.release_mods(version)],
+        "mods": {
+            stage: [m.name for m in releases.release_mods(version, stage)]
+            for stage in ("unpatched", "patched")
+        },
         "unit": cases[0][1].unit,
         "rows": rows,
         "summary": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in keys},
@@ -108,7 +113,11 @@ def render(report: dict) -> str:
         + [r[k]["verdict"] for k in keys]
         for r in report["rows"]
     ]
-    mods_line = ", ".join(report["mods"]) or "none made for this release: unpatched only"
+    mods_line = "; ".join(
+        f"{stage}: {', '.join(names) or 'none'}" for stage, names in report["mods"].items()
+    )
+    if not report["mods"]["patched"]:
+        mods_line += " (no fix made for this release: unpatched only)"
     return "\n".join(
         [
             f"# Regression on vLLM {report['vllm_version']} (sdist sha256 "
@@ -153,5 +162,5 @@ def run(version: str, quiet: bool = False, out_root: Path | None = None) -> int:
     print(f"summary: {report['summary']}")
     print(f"EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
     print(f"wrote {out_dir / 'regression.json'} and regression.md")
-    stale = any("STALE STATE" in s for s in report["summary"].values())
-    return 1 if stale else 0
+    bad = any({"STALE STATE", "DIFFERS"} & set(s) for s in report["summary"].values())
+    return 1 if bad else 0

@@ -1,13 +1,15 @@
 """vLLM releases beyond the pinned one, for the scheduler-level suite.
 
 Each ``[releases."<version>"]`` in pins.toml becomes
-``.trees/releases/<version>/unpatched/vllm``: the ``vllm`` package from that
+``.trees/releases/<version>/<stage>/vllm``: the ``vllm`` package from that
 release's sdist (sha256-checked), over the ``.venv``'s dependencies. Only the
 scheduler and the KV-cache manager run, which are plain Python, so the CPU
 platform is forced (``VLLM_TARGET_DEVICE=cpu``; the sdist's version string does
-not say "cpu"). A mod whose ``vllm_version`` is the release gives a patched tree
-beside it; without one the release is measured unpatched only.
-Idempotent: a stamp names the sdist a tree came from.
+not say "cpu"). Stages: ``pristine`` (no mod; what `make mods-drift` checks
+against), ``unpatched`` and ``patched`` (the cpu target's mods made for this
+release, as for the pinned release's trees). Without a patched-stage mod made
+for the release it is measured unpatched only.
+Idempotent: a stamp names the sdist and the mods a tree came from.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from scripts import mods, pins
@@ -33,8 +37,17 @@ def known() -> dict[str, dict]:
     return pins.load().get("releases", {})
 
 
+def newest() -> str:
+    """The highest release in pins.toml [releases]."""
+    if not known():
+        raise ReleaseError("pins.toml has no [releases]; add one with its sdist_url and sha256")
+    return max(known(), key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
 def release_pins(version: str) -> dict:
     releases = known()
+    if version == "newest":
+        version = newest()
     if version not in releases:
         names = ", ".join(sorted(releases)) or "none"
         raise ReleaseError(
@@ -44,24 +57,33 @@ def release_pins(version: str) -> dict:
     return releases[version]
 
 
-def release_mods(version: str, target: str = "cpu") -> list[mods.Mod]:
-    """The mods made for this release (the engine refuses a mod made for another one)."""
-    return [
-        mod
-        for mod in mods.mods_for_target(target, "patched")
-        if mod.manifest["vllm_version"] == version
-    ]
+STAGES = ("pristine", "unpatched", "patched")
+
+
+def release_mods(version: str, stage: str = "patched", target: str = "cpu") -> list[mods.Mod]:
+    """The mods a stage gets on this release (the engine refuses a mod made for another one)."""
+    if stage == "pristine":
+        return []
+    return mods.mods_for_target(target, stage, release=version)
+
+
+def fixes(version: str) -> list[mods.Mod]:
+    """The mods under test on this release: patched stage only."""
+    unpatched = {m.name for m in release_mods(version, "unpatched")}
+    return [m for m in release_mods(version, "patched") if m.name not in unpatched]
 
 
 def stages(version: str) -> list[str]:
-    return ["unpatched", "patched"] if release_mods(version) else ["unpatched"]
+    return ["unpatched", "patched"] if fixes(version) else ["unpatched"]
 
 
 def ensure_tree(version: str, stage: str = "unpatched") -> Path:
     """``.trees/releases/<version>/<stage>/vllm``, rebuilt when missing or stale."""
+    if stage not in STAGES:
+        raise ReleaseError(f"unknown stage {stage!r}; use one of {STAGES}")
     spec = release_pins(version)
-    patch_mods = release_mods(version) if stage == "patched" else []
-    if stage == "patched" and not patch_mods:
+    patch_mods = release_mods(version, stage)
+    if stage == "patched" and not fixes(version):
         raise ReleaseError(f"no mod is made for vLLM {version}: there is no patched tree")
     want = {
         "sdist_sha256": spec["sdist_sha256"],
@@ -88,12 +110,39 @@ def ensure_tree(version: str, stage: str = "unpatched") -> Path:
     return home / "vllm"
 
 
+def ensure_deps(version: str) -> Path:
+    """``.trees/releases/<version>/deps``: the release's requirements the .venv lacks
+    (pins.toml ``requirements``), installed with --no-deps; rebuilt when the list changes."""
+    wanted = sorted(release_pins(version).get("requirements", []))
+    home = TREES / version / "deps"
+    stamp = home / STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
+        return home
+    build = home.with_name(".deps.building")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    if wanted:
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(build)]
+        done = subprocess.run([*cmd, *wanted], capture_output=True, text=True)
+        if done.returncode != 0:
+            shutil.rmtree(build, ignore_errors=True)
+            raise ReleaseError(
+                f"vLLM {version}: pip could not install {wanted}: "
+                f"{done.stderr.strip().splitlines()[-1:]}; check the requirements in pins.toml"
+            )
+    (build / STAMP).write_text(json.dumps(wanted) + "\n")
+    shutil.rmtree(home, ignore_errors=True)
+    os.replace(build, home)
+    return home
+
+
 def env(version: str, stage: str = "unpatched") -> dict[str, str]:
     """Environment for a process whose ``vllm`` is this release's tree."""
     tree = ensure_tree(version, stage)
+    deps = ensure_deps(version)
     return dict(
         os.environ,
-        PYTHONPATH=f"{tree.parent}{os.pathsep}{ROOT}",
+        PYTHONPATH=os.pathsep.join([str(tree.parent), str(ROOT), str(deps)]),
         VLLM_TARGET_DEVICE="cpu",
         HF_HUB_OFFLINE="1",
         VLLM_LOGGING_LEVEL="ERROR",

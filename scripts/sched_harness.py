@@ -224,6 +224,11 @@ class SchedulerRig:
         self.geo = geo
         self.vllm_config = build_vllm_config(model_dir, geo)
         self.kv_cache_config = kv_cache_config(geo)
+        if geo.num_spec and hasattr(self.vllm_config, "num_hash_lookahead_tokens"):
+            # From 0.33.0 only groups flagged here count as EAGLE groups once
+            # lookahead hashes clear the drop; the engine's KV-cache planning
+            # flags the group holding the MTP draft layer, i.e. full attention.
+            self.kv_cache_config.kv_cache_groups[FULL_GROUP].is_eagle_group = True
         self.vllm_config.cache_config.num_gpu_blocks = geo.num_blocks
         register_all_kvcache_specs(self.vllm_config)
         self.scheduler = Scheduler(

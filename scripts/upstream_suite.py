@@ -1,9 +1,11 @@
 """`make upstream-suite`: vLLM's own tests/v1/core/prefix_cache against both trees.
 
-The tests come from the pinned release's source distribution on PyPI (sha256
-checked). The patched tree must pass every case the unpatched tree passes.
-Two cases need a GPU and a hub model (Qwen/Qwen3.5-0.8B) and are deselected
-with that reason.
+The tests come from the release's source distribution on PyPI (sha256 checked):
+the pinned release by default, ``--vllm <release>`` (`make upstream-suite
+VLLM=0.34.0`) a later one from pins.toml [releases], run against that release's
+trees (scripts/releases.py). The patched tree must pass every case the
+unpatched tree passes. Two cases need a GPU and a hub model
+(Qwen/Qwen3.5-0.8B) and are deselected with that reason.
 """
 
 from __future__ import annotations
@@ -74,20 +76,22 @@ def fetch_sdist(version: str, url: str, want: str, explicit: Path | None = None)
     return target
 
 
-def extract_tests(sdist: Path) -> Path:
+def extract_tests(sdist: Path, version: str | None = None) -> Path:
     """Unpack only ``tests/`` once; a stamp names the sdist it came from."""
-    dest = CACHE / f"vllm-{pins.get('vllm.version')}-tests"
+    version = version or pins.get("vllm.version")
+    want = pins.file_sha256(sdist)
+    dest = CACHE / f"vllm-{version}-tests"
     stamp = dest / ".kit-stamp"
-    if stamp.is_file() and stamp.read_text() == pins.get("vllm.sdist_sha256"):
+    if stamp.is_file() and stamp.read_text() == want:
         return dest
     build = dest.with_name(dest.name + ".building")
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
-    unpack_sdist_dir(sdist, pins.get("vllm.version"), "tests", build)
+    unpack_sdist_dir(sdist, version, "tests", build)
     # Our pyproject's strict pytest settings must not apply to upstream's tests.
     (build / "pytest.ini").write_text("[pytest]\n")
     stamp_tmp = build / ".kit-stamp"
-    stamp_tmp.write_text(pins.get("vllm.sdist_sha256"))
+    stamp_tmp.write_text(want)
     shutil.rmtree(dest, ignore_errors=True)
     build.replace(dest)
     return dest
@@ -108,13 +112,19 @@ def unpack_sdist_dir(sdist: Path, version: str, subdir: str, dest: Path) -> None
 
 
 def start_suite(
-    name: str, tests_dir: Path, out_dir: Path, vllm_parent: Path | None
+    name: str,
+    tests_dir: Path,
+    out_dir: Path,
+    vllm_parent: Path | None,
+    base_env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, Path]:
     """Run the suite against the vLLM under ``vllm_parent`` (None: the installed one)."""
     junit = out_dir / f"upstream-{name}.xml"
     path = [str(vllm_parent)] if vllm_parent else []
+    base = base_env or os.environ
+    path += [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(
-        os.environ,
+        base,
         PYTHONPATH=os.pathsep.join([*path, str(tests_dir)]),
         PYTHONDONTWRITEBYTECODE="1",  # the tests may sit on a read-only mount
         HF_HUB_OFFLINE="1",
@@ -137,6 +147,8 @@ def start_suite(
         f"--junitxml={junit}",
     ]
     cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
+    if base_env is not None and base_env.get("VLLM_TARGET_DEVICE") == "cpu":
+        cmd += ["-p", "scripts.release_plugin"]
     log = (out_dir / f"upstream-{name}.log").open("w")
     return subprocess.Popen(
         cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -173,24 +185,48 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sdist", type=Path, help="use this vllm sdist instead of downloading")
-    parser.add_argument("--out-dir", type=Path, default=ROOT / "results" / "upstream-suite")
+    parser.add_argument(
+        "--vllm",
+        metavar="RELEASE",
+        help="a later release from pins.toml [releases], or 'newest' (default: the pinned one)",
+    )
+    parser.add_argument("--out-dir", type=Path, help="default: results/upstream-suite[/<release>]")
     args = parser.parse_args(argv)
+    from scripts import releases
+
+    out_dir = args.out_dir or ROOT / "results" / "upstream-suite"
     try:
-        tests_dir = extract_tests(sdist_path(args.sdist))
-    except (SuiteError, OSError) as exc:
+        if args.vllm == "newest":
+            args.vllm = releases.newest()
+        if args.vllm and args.vllm != pins.get("vllm.version"):
+            spec = releases.release_pins(args.vllm)
+            sdist = fetch_sdist(args.vllm, spec["sdist_url"], spec["sdist_sha256"], args.sdist)
+            tests_dir = extract_tests(sdist, args.vllm)
+            out_dir = args.out_dir or out_dir / args.vllm
+            trees = {
+                name: (releases.ensure_tree(args.vllm, name).parent, releases.env(args.vllm, name))
+                for name in releases.stages(args.vllm)
+            }
+        else:
+            tests_dir = extract_tests(sdist_path(args.sdist))
+            trees = {name: (cpu_env.ensure_tree(name).parent, None) for name in cpu_env.TREE_NAMES}
+    except (SuiteError, releases.ReleaseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if "patched" not in trees:
+        print(f"error: no mod is made for vLLM {args.vllm}; nothing to compare", file=sys.stderr)
+        return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
     # Both trees at once: one core each.
     runs = {
-        name: start_suite(name, tests_dir, args.out_dir, cpu_env.ensure_tree(name).parent)
-        for name in cpu_env.TREE_NAMES
+        name: start_suite(name, tests_dir, out_dir, parent, env)
+        for name, (parent, env) in trees.items()
     }
     for proc, _ in runs.values():
         proc.wait()
     results = {name: outcomes(junit) for name, (_, junit) in runs.items()}
     report, verdict, ok = compare(results)
-    (args.out_dir / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out_dir / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
     print(verdict)
     return 0 if ok else 1
 

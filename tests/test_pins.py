@@ -71,11 +71,13 @@ def test_no_latest_or_main_refs() -> None:
         assert not re.search(r"(--branch|checkout|@)\s*main\b", text), f"{path}: floating 'main'"
 
 
-def test_mods_are_made_for_the_pinned_vllm() -> None:
+def test_mods_are_made_for_pinned_releases() -> None:
+    known = {PINS["vllm"]["version"], *PINS.get("releases", {})}
     for name in mods.available():
-        manifest = mods.load_mod(name).manifest
-        assert manifest["vllm_version"] == PINS["vllm"]["version"], name
-        assert manifest.get("vllm_commit_abbrev") == PINS["vllm"]["commit_abbrev"], name
+        mod = mods.load_mod(name)
+        assert set(mod.releases) <= known, (name, mod.releases)
+        if PINS["vllm"]["version"] in mod.releases:
+            assert mod.manifest.get("vllm_commit_abbrev") == PINS["vllm"]["commit_abbrev"], name
 
 
 def test_unresolved_pins_are_marked_not_floating() -> None:

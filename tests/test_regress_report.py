@@ -23,3 +23,13 @@ def test_loss_beyond_the_unit_eagle_is_entitled_to() -> None:
 
 def test_a_miss_without_speculation_is_not_eagle_s_fault() -> None:
     assert eagle_specific_loss(Case(64, 16, 3, 167, 40), hit=0, hit_without_spec=0) == 0
+
+
+def test_lookahead_hashes_entitle_eagle_to_the_last_proven_boundary() -> None:
+    # S = 167 (S mod H = 7): lookahead hashes reach 160 like the plain server, no unit lost.
+    probe = Case(64, 16, 1, 167, 1)
+    assert eagle_specific_loss(probe, hit=160, hit_without_spec=160, lookahead=1) == 0
+    # Block-aligned S = 64: the key of unit 48..64 needs token 64, so 48 is the most.
+    aligned = Case(64, 16, 1, 64, 20)
+    assert eagle_specific_loss(aligned, hit=0, hit_without_spec=64, lookahead=1) == 48
+    assert eagle_specific_loss(aligned, hit=48, hit_without_spec=64, lookahead=1) == 0
