@@ -21,10 +21,33 @@ from scripts.kv_copy_check import CHECK
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Whether the bug a mod fixes reproduces on a pristine package; run in a process
-# whose vllm is that package. Prints "needed" or "not needed".
+# Whether the bug a mod fixes reproduces on a pristine package: code run in a
+# process whose vllm is that package; its last line is JSON, true = reproduces.
+_COW_CHECK = CHECK + "print(json.dumps(not all(f == 1.0 for f in equal)))\n"
+# The context-load probe where the release's hashing loses: S mod H = H - 1
+# with legacy hashing (0.32.0), S mod H = 0 with lookahead hashes (0.33.0 on).
+_PROBE_CHECK = """
+import json, os, tempfile
+from pathlib import Path
+if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+    import scripts.release_plugin
+from scripts.geometry_model import Case
+from scripts.release_report import lookahead_ideal
+from scripts.sched_harness import run_case
+from scripts.tiny_model import write_tiny_model
+model = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+lost = []
+for shared in (64, 79):
+    case = Case(64, 16, 1, shared, 1)
+    rig, _, b, _ = run_case(model, case)
+    lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
+    lost.append(b.hit < lookahead_ideal(case, lookahead))
+print(json.dumps(any(lost)))
+"""
 NEEDED_CHECKS = {
-    "fix-cow-aliased-kv-copy": "tests/test_kv_block_copy.py",
+    "fix-cow-aliased-kv-copy": _COW_CHECK,
+    "fix-eagle-fine-prefix": _PROBE_CHECK,
+    "fix-eagle-fine-prefix-lookahead": _PROBE_CHECK,
 }
 
 
@@ -40,12 +63,15 @@ def _needed(mod: str, env: dict[str, str]) -> str:
     if mod not in NEEDED_CHECKS:
         return "no check"
     done = subprocess.run(
-        [sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, cwd=ROOT
+        [sys.executable, "-c", NEEDED_CHECKS[mod]],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
     if done.returncode != 0:
         return "check failed: " + (done.stderr.strip().splitlines() or ["?"])[-1]
-    fractions = json.loads(done.stdout.strip().splitlines()[-1])
-    return "not needed" if all(f == 1.0 for f in fractions) else "needed"
+    return "needed" if json.loads(done.stdout.strip().splitlines()[-1]) else "not needed"
 
 
 def main(argv: list[str] | None = None) -> int:
