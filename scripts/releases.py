@@ -46,8 +46,6 @@ def newest() -> str:
 
 def release_pins(version: str) -> dict:
     releases = known()
-    if version == "newest":
-        version = newest()
     if version not in releases:
         names = ", ".join(sorted(releases)) or "none"
         raise ReleaseError(

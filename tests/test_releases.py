@@ -1,8 +1,10 @@
 """Later vLLM releases from pins.toml [releases]: trees from their sdists, and the table.
 
 Tree-independent, so it runs once, in the patched-tree pass of `make test`. The
-table test downloads the newest release's sdist from PyPI once (sha256-checked,
-cached in .cache/) and runs the scheduler suite on it in its own processes.
+table tests download every release's sdist from PyPI once (sha256-checked,
+cached in .cache/) and run the scheduler suite on each release's unpatched and
+patched trees in their own processes; a strict expected failure pins the
+unpatched trees' measured probe loss.
 """
 
 from __future__ import annotations
