@@ -56,6 +56,14 @@ class Case:
         return self.tail <= self.unit - r
 
 
+def lookahead_ideal(case: Case, lookahead: int) -> int:
+    """The best resume when each hash also covers ``lookahead`` tokens and nothing
+    is dropped (``lookahead=0``: the 0.32.0 ideal)."""
+    if not case.eagle or not lookahead:
+        return case.ideal
+    return max(case.shared - lookahead, 0) // case.unit * case.unit
+
+
 def prompt_checkpoint(prompt_len: int, unit: int, eagle: bool) -> int:
     """Where a resend of a prompt, or a continuation of it, resumes.
 
@@ -149,9 +157,8 @@ def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
     # Mamba states A leaves behind: block-aligned chunk ends and its checkpoints.
     states = {e for e in ends if e % b == 0 and e < case.producer_len} | set(mamba_partials)
     # B's keys match while their lookahead tokens are shared too.
-    shared = max(s - lookahead, 0)
-    base = shared // h * h
-    block_floor = shared // b * b
+    base = lookahead_ideal(case, lookahead) if lookahead else s // h * h
+    block_floor = max(s - lookahead, 0) // b * b
     fa_entries = fa_partials(case, patched, lookahead)
     partial = [p for p in fa_entries if block_floor < p <= base]
     fa = max(partial, default=block_floor)

@@ -31,8 +31,7 @@ import json, os, tempfile
 from pathlib import Path
 if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
     import scripts.release_plugin
-from scripts.geometry_model import Case
-from scripts.release_report import lookahead_ideal
+from scripts.geometry_model import Case, lookahead_ideal
 from scripts.sched_harness import run_case
 from scripts.tiny_model import write_tiny_model
 model = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
@@ -82,13 +81,18 @@ def main(argv: list[str] | None = None) -> int:
 
     versions = [pins.get("vllm.version"), *sorted(releases.known())]
     table, rows = [], []
+    # Both eagle mods share one check: run each check once per release.
+    verdicts: dict[tuple[str, str], str] = {}
     for name in mods.available():
         mod = mods.load_mod(name)
         line = [name, ", ".join(mod.releases)]
         for version in versions:
             tree, env = _pristine(version)
             state = mods.state(mod, tree).value
-            needed = _needed(name, env)
+            key = (NEEDED_CHECKS.get(name, ""), version)
+            if key not in verdicts:
+                verdicts[key] = _needed(name, env)
+            needed = verdicts[key]
             rows.append({"mod": name, "release": version, "state": state, "needed": needed})
             line.append(f"{state}; {needed}")
         table.append(line)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from scripts import cpu_env, mods, pins
 from scripts.geometry_cases import all_cases
-from scripts.geometry_model import Case, expected
+from scripts.geometry_model import Case, expected, lookahead_ideal
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "results" / "regression"
@@ -113,8 +113,7 @@ def eagle_specific_loss(
     if not case.eagle:
         return None
     if lookahead:
-        shared = max(case.shared - lookahead, 0) // case.unit * case.unit
-        return min(hit_without_spec, shared) - hit
+        return min(hit_without_spec, lookahead_ideal(case, lookahead)) - hit
     return max(hit_without_spec - case.unit, 0) - hit
 
 

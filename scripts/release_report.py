@@ -30,7 +30,7 @@ from pathlib import Path
 
 from scripts import pins, releases
 from scripts.geometry_cases import all_cases
-from scripts.geometry_model import Case, expected
+from scripts.geometry_model import Case, expected, lookahead_ideal
 from scripts.regress import eagle_specific_loss, loss_totals, without_speculation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,13 +49,6 @@ def _measure(version: str, stage: str, mode: str, model_dir: Path) -> dict:
     if not data["vllm_file"].startswith(str(tree)):
         raise RuntimeError(f"{version}/{stage}: measured {data['vllm_file']}, not {tree}")
     return data
-
-
-def lookahead_ideal(case: Case, lookahead: int) -> int:
-    """The best resume when each hash also covers ``lookahead`` tokens and nothing is dropped."""
-    if not case.eagle or not lookahead:
-        return case.ideal
-    return max(case.shared - lookahead, 0) // case.unit * case.unit
 
 
 def verdict(case: Case, stage: str, row: dict) -> str:
@@ -79,9 +72,7 @@ def build(version: str, measured: dict[tuple[str, str], dict]) -> dict:
             key = f"{stage}/{mode}"
             line[key] = {
                 "hit": row["hit"],
-                "ideal": lookahead_ideal(case, row["hash_lookahead"])
-                if mode == "lookahead"
-                else case.ideal,
+                "ideal": lookahead_ideal(case, row["hash_lookahead"]),
                 "eagle_loss": eagle_specific_loss(case, row["hit"], base, row["hash_lookahead"]),
                 "verdict": verdict(case, stage, row),
             }

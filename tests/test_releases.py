@@ -18,7 +18,7 @@ import pytest
 
 from scripts import release_report, releases
 from scripts.geometry_cases import all_cases
-from scripts.geometry_model import Case, expected
+from scripts.geometry_model import Case, expected, lookahead_ideal
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +44,9 @@ def test_unknown_release_is_refused_with_what_to_do() -> None:
 
 def test_lookahead_ideal() -> None:
     # One lookahead token, nothing dropped: the last boundary B shares with its next token.
-    assert release_report.lookahead_ideal(Case(64, 16, 1, 1007, 1), 1) == 992
-    assert release_report.lookahead_ideal(Case(64, 16, 1, 1008, 1), 1) == 992
-    assert release_report.lookahead_ideal(Case(64, 16, 0, 1008, 1), 0) == 1008
+    assert lookahead_ideal(Case(64, 16, 1, 1007, 1), 1) == 992
+    assert lookahead_ideal(Case(64, 16, 1, 1008, 1), 1) == 992
+    assert lookahead_ideal(Case(64, 16, 0, 1008, 1), 0) == 1008
 
 
 def test_lookahead_model_reproduces_the_measured_0_33_facts() -> None:
