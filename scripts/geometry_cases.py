@@ -31,12 +31,19 @@ def all_cases() -> list[tuple[str, Case]]:
 
 CONTEXT_BASE = 100  # token ids of the shared context: 100, 101, ...
 PROBE_TOKEN = 13  # the "." of a context-load probe
-FOLLOW_UP_LEN = 48
+
+
+def producer_tail(length: int) -> list[int]:
+    """A's unique tail: the probe token, then the rest of a longer probe."""
+    return ([PROBE_TOKEN] + list(range(3001, 3000 + length)))[:length]
+
+
+def follow_up_turn(length: int) -> list[int]:
+    """B's own tokens after what it shares with A."""
+    return list(range(5000, 5000 + length))
 
 
 def prompts(case: Case) -> tuple[list[int], list[int]]:
     """Producer A (context + probe tail) and follow-up B (context + a different turn)."""
     context = list(range(CONTEXT_BASE, CONTEXT_BASE + case.shared))
-    producer_tail = [PROBE_TOKEN] + list(range(3001, 3000 + case.tail))
-    follow_up = context + list(range(5000, 5000 + FOLLOW_UP_LEN))
-    return context + producer_tail[: case.tail], follow_up
+    return context + producer_tail(case.tail), context + follow_up_turn(case.follow_up)

@@ -24,8 +24,16 @@ class Case:
     shared: int  # S
     tail: int  # U, the producer's unique tail
     budget: int = 8192  # tokens one step may schedule (max_num_batched_tokens)
+    # B's own tokens after S. The model does not read it: B's length never caps
+    # its match below the shared boundary (tests/regression/test_follow_up_shapes.py).
+    follow_up: int = 48
 
     def __post_init__(self) -> None:
+        if self.follow_up < 1:
+            raise ValueError(
+                f"follow-up of {self.follow_up} tokens: B must add at least one token "
+                "after the shared prefix, or it is a resend of A's prefix"
+            )
         if self.budget < self.block:
             raise ValueError(
                 f"token budget {self.budget} is smaller than the block {self.block}: "
@@ -92,34 +100,45 @@ def _proof_limit(case: Case, lookahead: int) -> int:
     return case.producer_len - max(1, lookahead)
 
 
-def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, int, int]:
-    """(last block checkpoint, tail checkpoint, predecessor checkpoint) for A."""
+@dataclass(frozen=True)
+class Checkpoints:
+    """Positions where A's prefill ends a chunk and keeps a Mamba state."""
+
+    last_block: int  # the last block-aligned checkpoint
+    tail: int  # the prompt checkpoint
+    pred: int  # patched: one unit below the prompt checkpoint
+    block_pred: int  # patched: one unit below the last block boundary A crosses
+
+    def extra(self) -> tuple[int, ...]:
+        """The patched positions, which may lie inside the block below ``last_block``."""
+        return tuple(p for p in (self.pred, self.block_pred) if p)
+
+
+def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
     n, b, h = case.producer_len, case.block, case.unit
-    if case.eagle and lookahead:
+    if not case.eagle:
+        return Checkpoints((n - 1) // b * b, (n - 1) // h * h, 0, 0)
+    if lookahead:
         limit = _proof_limit(case, lookahead)
-        tail = limit // h * h
-        return limit // b * b, tail, max(tail - h, 0) if patched else 0
-    if case.eagle:
-        last_block = max(n // b * b - b, 0)
-        tail = max(n // h * h - h, 0)
-        pred = max(tail - h, 0) if patched else 0
+        last_block, tail, crossed = limit // b * b, limit // h * h, limit // b * b
     else:
-        last_block = (n - 1) // b * b
-        tail = (n - 1) // h * h
-        pred = 0
-    return last_block, tail, pred
+        # EAGLE drops a whole block below the last one A fills.
+        crossed = n // b * b
+        last_block, tail = max(crossed - b, 0), max(n // h * h - h, 0)
+    if not patched:
+        return Checkpoints(last_block, tail, 0, 0)
+    # The EAGLE rewind turns a match on the boundary into a resume one unit below.
+    block_pred = crossed - h if crossed and h < b else 0
+    return Checkpoints(last_block, tail, max(tail - h, 0), block_pred)
 
 
 def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
     n, b = case.producer_len, case.block
-    last_block, tail, pred = _checkpoints(case, patched, lookahead)
-    stops = [last_block]
-    stops += [p for p in (tail,) if last_block < p < n]
-    if lookahead:
-        # The lookahead fix also stops inside the block below a block-aligned checkpoint.
-        stops += [p for p in (pred,) if last_block - b < p < n]
-    else:
-        stops += [p for p in (pred,) if last_block < p < n]
+    cp = _checkpoints(case, patched, lookahead)
+    stops = [cp.last_block]
+    stops += [p for p in (cp.tail,) if cp.last_block < p < n]
+    # The fix's stops may lie inside the block below the last block checkpoint.
+    stops += [p for p in cp.extra() if cp.last_block - b < p < n]
     ends, start = [], 0
     while start < n:
         inside = [s for s in stops if start < s < n]
@@ -137,14 +156,19 @@ def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[
 
 
 def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
-    n, b, h = case.producer_len, case.block, case.unit
-    if case.eagle and lookahead:
-        # A unit is hashed only once its lookahead tokens exist.
-        tail = _proof_limit(case, lookahead) // h * h
-    else:
-        tail = (n if case.eagle else n - 1) // h * h
-    wanted = [tail] + ([tail - h] if case.eagle and patched else [])
-    return tuple(p for p in wanted if p > 0 and p % b)
+    n, h = case.producer_len, case.unit
+    cp = _checkpoints(case, patched, lookahead)
+    # EAGLE keeps the unit its drop removes; with lookahead hashes a unit is
+    # hashed only once its lookahead tokens exist (the Mamba tail itself).
+    tail = n // h * h if case.eagle and not lookahead else cp.tail
+    wanted = [tail]
+    if case.eagle and patched:
+        wanted.append(tail - case.unit)
+        if lookahead:
+            # No drop: B proves the boundary below the block it shares only
+            # through an entry there.
+            wanted.append(cp.block_pred)
+    return tuple(sorted({p for p in wanted if p > 0 and p % case.block}))
 
 
 def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
@@ -152,8 +176,8 @@ def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
     b, h, s = case.block, case.unit, case.shared
     lookahead = lookahead if case.eagle else 0
     ends = producer_chunk_ends(case, patched, lookahead)
-    _, tail, pred = _checkpoints(case, patched, lookahead)
-    mamba_partials = tuple(p for p in (tail, pred) if p in ends and p % b)
+    cp = _checkpoints(case, patched, lookahead)
+    mamba_partials = tuple(sorted({p for p in (cp.tail, *cp.extra()) if p in ends and p % b}))
     # Mamba states A leaves behind: block-aligned chunk ends and its checkpoints.
     states = {e for e in ends if e % b == 0 and e < case.producer_len} | set(mamba_partials)
     # B's keys match while their lookahead tokens are shared too.

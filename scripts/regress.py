@@ -96,6 +96,8 @@ def verdict(case: Case, unpatched: int, patched: int) -> str:
         return "fixed"
     if patched == case.ideal:
         return "ok"
+    if patched > unpatched:
+        return "better"  # up to the state without speculation, short of the ideal
     return "known loss"
 
 

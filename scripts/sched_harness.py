@@ -422,6 +422,18 @@ def run_case(
 
     ``fix`` turns on the patched tree's switch; on the unpatched tree it fails loudly.
     """
+    return run_pair(model_dir, case, *prompts(case), fix=fix, lookahead_hashes=lookahead_hashes)
+
+
+def run_pair(
+    model_dir: Path,
+    case: Case,
+    a_tokens: list[int],
+    b_tokens: list[int],
+    fix: bool = False,
+    lookahead_hashes: bool = True,
+) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
+    """``run_case`` for prompts other than the grid's: the case gives the cache geometry."""
     rig = SchedulerRig(
         model_dir,
         Geometry(
@@ -433,7 +445,6 @@ def run_case(
             lookahead_hashes=lookahead_hashes,
         ),
     )
-    a_tokens, b_tokens = prompts(case)
     a = rig.run(a_tokens)
     bounds = rig.boundaries(b_tokens)
     b = rig.run(b_tokens)

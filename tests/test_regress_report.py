@@ -1,11 +1,11 @@
-"""The regression report's EAGLE-specific loss (no scheduler needed)."""
+"""The regression report's EAGLE-specific loss and verdicts (no scheduler needed)."""
 
 from __future__ import annotations
 
 import pytest
 
 from scripts.geometry_model import Case
-from scripts.regress import eagle_specific_loss
+from scripts.regress import eagle_specific_loss, verdict
 
 pytestmark = pytest.mark.cpu
 
@@ -33,3 +33,14 @@ def test_lookahead_hashes_entitle_eagle_to_the_last_proven_boundary() -> None:
     aligned = Case(64, 16, 1, 64, 20)
     assert eagle_specific_loss(aligned, hit=0, hit_without_spec=64, lookahead=1) == 48
     assert eagle_specific_loss(aligned, hit=48, hit_without_spec=64, lookahead=1) == 0
+
+
+def test_verdict_tells_an_improvement_short_of_the_ideal_from_a_fix() -> None:
+    # B384-beyond-S544-r0, U = 40: 0 unpatched, 368 patched (the state without
+    # speculation allows 384 - 16); the ideal 528 needs a state nobody keeps.
+    case = Case(384, 16, 1, 544, 40)
+    assert verdict(case, unpatched=0, patched=368) == "better"
+    # B64-boundary-S64-r0, U = 40: 0 unpatched, 48 = the ideal patched.
+    assert verdict(Case(64, 16, 1, 64, 40), unpatched=0, patched=48) == "fixed"
+    # A result the geometry model does not predict is never dressed up.
+    assert verdict(case, unpatched=0, patched=384) == "UNEXPECTED"

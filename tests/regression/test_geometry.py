@@ -7,10 +7,13 @@ strict expected failures on the unpatched tree.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from scripts.geometry_cases import all_cases
 from scripts.geometry_model import Case, expected
+from scripts.regress import eagle_specific_loss
 from scripts.sched_harness import run_case
 
 pytestmark = pytest.mark.cpu
@@ -20,7 +23,21 @@ def _regressed(case: Case) -> bool:
     return expected(case, patched=False).hit < case.ideal
 
 
+def _eagle_specific_loss_unpatched(case: Case) -> bool:
+    plain = expected(replace(case, num_spec=0), patched=False).hit
+    return (eagle_specific_loss(case, expected(case, patched=False).hit, plain) or 0) > 0
+
+
 ALL = [pytest.param(case, id=case_id) for case_id, case in all_cases()]
+SPECULATIVE = [
+    pytest.param(
+        case,
+        id=case_id,
+        marks=[pytest.mark.fixed_by_mod] if _eagle_specific_loss_unpatched(case) else [],
+    )
+    for case_id, case in all_cases()
+    if case.eagle
+]
 COVERED = [
     pytest.param(case, id=case_id, marks=[pytest.mark.fixed_by_mod] if _regressed(case) else [])
     for case_id, case in all_cases()
@@ -58,6 +75,18 @@ def test_follow_up_reaches_ideal(tiny_model_dir, tree_is_patched: bool, case: Ca
     _, _, b, _ = run_case(tiny_model_dir, case, fix=tree_is_patched)
     assert b.hit == case.ideal
     assert b.resumed_from_own_prefix()
+
+
+@pytest.mark.parametrize("case", SPECULATIVE)
+def test_speculation_costs_at_most_its_unit(
+    tiny_model_dir, tree_is_patched: bool, case: Case
+) -> None:
+    """B under EAGLE resumes no lower than the same A and B without speculation, less H:
+    the block-boundary predecessor state covers producer tails of any length."""
+    _, _, b, _ = run_case(tiny_model_dir, case, fix=tree_is_patched)
+    _, _, plain, _ = run_case(tiny_model_dir, replace(case, num_spec=0), fix=tree_is_patched)
+    assert b.resumed_from_own_prefix()
+    assert eagle_specific_loss(case, b.hit, plain.hit) <= 0, (b.hit, plain.hit)
 
 
 @pytest.mark.parametrize("case", ALL)
