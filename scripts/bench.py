@@ -135,11 +135,7 @@ def fix_flags(target: str) -> list[str]:
     process finds (an image may carry a later release than the pinned one)."""
     spec = importlib.util.find_spec("vllm")  # located, not imported: no GPU init
     release = mods.tree_version(Path(spec.origin).parent)[0] if spec and spec.origin else None
-    return [
-        m.manifest["enable_flag"]
-        for m in mods.mods_for_target(target, "patched", release=release)
-        if "enable_flag" in m.manifest
-    ]
+    return [m.manifest["enable_flag"] for m in mods.switched_mods(target, release)]
 
 
 def context(rep: int, shared: int, salt: str) -> list[int]:

@@ -86,14 +86,8 @@ def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", default="cpu", choices=mods.TARGETS)
-    parser.add_argument(
-        "--print-path", choices=TREE_NAMES, help="only print the PYTHONPATH entry for this tree"
-    )
     args = parser.parse_args(argv)
     try:
-        if args.print_path:
-            print(tree_dir(args.print_path))
-            return 0
         for name in TREE_NAMES:
             path = ensure_tree(name, args.target)
             print(

@@ -50,16 +50,10 @@ def record(target: str, stage: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--target", choices=mods.TARGETS)
-    parser.add_argument("--stage", choices=("unpatched", "patched"))
-    parser.add_argument("--print-vllm", action="store_true", help="print the vllm directory")
+    parser.add_argument("--target", choices=mods.TARGETS, required=True)
+    parser.add_argument("--stage", choices=("unpatched", "patched"), required=True)
     parser.add_argument("--out", type=Path, default=ROOT / "provenance.json")
     args = parser.parse_args(argv)
-    if args.print_vllm:
-        print(installed_vllm())
-        return 0
-    if not (args.target and args.stage):
-        parser.error("--target and --stage are required")
     tree = installed_vllm()
     release, _ = mods.tree_version(tree)
     for line in mods.apply(tree, mods.mods_for_target(args.target, args.stage, release=release)):

@@ -11,8 +11,9 @@ sides on the host. Writes into ``--out``:
   patched side with the fix's switch on;
 - ``upstream-<stage>.xml`` / ``.log``: vLLM's ``tests/v1/core/prefix_cache``
   from the pinned sdist, when ``--upstream-tests`` names the unpacked tests;
-- ``provenance.json``: the image's record of vLLM, mods and pins;
-- ``status.json``: each step's exit status.
+- ``provenance.json``: the image's record of vLLM, mods and pins.
+
+Prints each step's exit status as JSON; exits 1 when the kit's own steps failed.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     provenance = ROOT / "provenance.json"
     if provenance.is_file():
         shutil.copy(provenance, args.out / "provenance.json")
-    (args.out / "status.json").write_text(json.dumps(status, indent=1) + "\n")
     print(json.dumps(status))
     failed = {k: v for k, v in status.items() if k != "upstream_suite" and v != 0}
     return 1 if failed else 0

@@ -100,17 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RELEASE",
         help="a later vLLM release from pins.toml [releases] (default: the pinned one)",
     )
-    parser.add_argument(
-        "--print-run-flags",
-        action="store_true",
-        help="print the docker run flags for the target and exit",
-    )
     args = parser.parse_args(argv)
-    if args.print_run_flags:
-        from scripts.containers import RUN_SPECS
-
-        print(shlex.join(RUN_SPECS[args.target].cli_flags()))
-        return 0
     (ROOT / "wheelhouse").mkdir(exist_ok=True)  # the Dockerfiles COPY it; may stay empty
     try:
         for stage in args.stage or STAGES:

@@ -116,6 +116,14 @@ def load_mod(name: str, mods_dir: Path = MODS_DIR) -> Mod:
     manifest.setdefault("stages", ["patched"])
     if not manifest["stages"] or set(manifest["stages"]) - set(STAGES):
         raise ModError(f"mod {name}: stages must be a non-empty subset of {STAGES}")
+    # A switched mod is turned on by its server flag and, in-process, by the
+    # CacheConfig field behind it; the kit needs both.
+    switch = {"enable_flag", "cache_config_field"} & set(manifest)
+    if len(switch) == 1:
+        missing = ({"enable_flag", "cache_config_field"} - switch).pop()
+        raise ModError(
+            f"mod {name}: manifest {manifest_path} has {switch.pop()!r} but not {missing!r}"
+        )
     patch_path = directory / "mod.patch"
     if not patch_path.is_file():
         raise ModError(f"mod {name}: {patch_path} is missing")
@@ -162,6 +170,22 @@ def mods_for_target(
         and stage in m.manifest["stages"]
         and release in m.releases
     ]
+
+
+def switched_mods(target: str, release: str | None = None) -> list[Mod]:
+    """The patched stage's mods that are off until their switch is on: each names
+    its server flag (``enable_flag``) and ``CacheConfig`` field (``cache_config_field``)."""
+    return [
+        m
+        for m in mods_for_target(target, "patched", release=release)
+        if "enable_flag" in m.manifest
+    ]
+
+
+def switch_fields(target: str, tree: Path) -> dict[str, bool]:
+    """``CacheConfig`` fields that turn on the switched mods made for a tree's release."""
+    release = tree_version(tree)[0]
+    return {m.manifest["cache_config_field"]: True for m in switched_mods(target, release)}
 
 
 # -- the vLLM tree --------------------------------------------------------------

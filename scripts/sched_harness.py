@@ -29,7 +29,6 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (
     eagle_proof_margin,
-    get_group_id,
     get_request_block_hasher,
     init_none_hash,
 )
@@ -45,13 +44,13 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from scripts import mods
 from scripts.geometry_cases import prompts
 from scripts.geometry_model import Case
 
 FULL_GROUP = 0
 MAMBA_GROUP = 1
 MAX_MODEL_LEN = 65536
-PREDECESSOR_FIELD = "enable_mamba_eagle_predecessor_checkpoint"
 EOS_TOKEN_ID = 2
 
 
@@ -83,17 +82,24 @@ class Boundaries:
 
     ``fa_match``: longest full-attention match without the EAGLE drop;
     ``fa_eagle``: the same lookup with the drop applied (equal when no
-    speculation); ``mamba``: the Mamba group's own longest state;
-    ``hit``: the reconciled hit the coordinator hands the scheduler.
+    speculation); ``hit``: the reconciled hit the coordinator hands the
+    scheduler, whose Mamba state the suite checks through ``ResumeRecord``.
     """
 
     fa_match: int
     fa_eagle: int
-    mamba: int
     hit: int
 
 
 @functools.lru_cache(maxsize=4)
+@functools.cache
+def fix_switches() -> dict[str, bool]:
+    """The fix's CacheConfig fields, from the mod made for the release imported here."""
+    import vllm
+
+    return mods.switch_fields("cpu", Path(vllm.__file__).parent)
+
+
 def model_config(model_dir: str) -> ModelConfig:
     return ModelConfig(
         model=model_dir,
@@ -138,7 +144,7 @@ def build_vllm_config(model_dir: Path, geo: Geometry) -> VllmConfig:
             enable_prefix_caching=True,
             mamba_cache_mode="align",
             prefix_match_unit=geo.unit,
-            **({PREDECESSOR_FIELD: True} if geo.predecessor_checkpoint else {}),
+            **(fix_switches() if geo.predecessor_checkpoint else {}),
         ),
         speculative_config=spec,
     )
@@ -248,7 +254,6 @@ class SchedulerRig:
         self.block_hasher = get_request_block_hasher(
             geo.unit, sha256, *([lookahead] if lookahead else [])
         )
-        self.resumes: list[ResumeRecord] = []
         self.chunk_ends: dict[str, list[int]] = {}
         self.partial_entries: list[tuple[str, int, int]] = []
         self._next_id = 0
@@ -314,23 +319,10 @@ class SchedulerRig:
             )
             return hit
 
-        mamba_manager = coord.single_type_managers[MAMBA_GROUP]
-        _, mamba_hit = type(mamba_manager).find_longest_cache_hit(
-            block_hashes=hashes,
-            max_length=max_len,
-            kv_cache_group_ids=[MAMBA_GROUP],
-            block_pool=mamba_manager.block_pool,
-            kv_cache_spec=mamba_manager.kv_cache_spec,
-            drop_eagle_block=False,
-            alignment_tokens=coord._cache_hit_alignment_tokens,
-            dcp_world_size=1,
-            pcp_world_size=1,
-        )
         _, hit, _ = coord.find_longest_cache_hit(hashes, max_len)
         return Boundaries(
             fa_match=fa_lookup(False),
             fa_eagle=fa_lookup(bool(self.geo.num_spec)),
-            mamba=mamba_hit,
             hit=hit,
         )
 
@@ -379,7 +371,6 @@ class SchedulerRig:
         record.output = tuple(request.output_token_ids)
         record.final_computed = request.num_computed_tokens
         self.chunk_ends[request.request_id] = ends
-        self.resumes.append(record)
         return record
 
     def _resume_record(self, req: Request, hit: int) -> ResumeRecord:
@@ -403,16 +394,6 @@ class SchedulerRig:
                 if rid == request_id and g == group and n % self.geo.block_size
             }
         )
-
-    # -- metadata ---------------------------------------------------------
-    def cached_entries(self) -> dict[int, int]:
-        """Number of cached block-hash entries per group in the block pool."""
-        counts = {FULL_GROUP: 0, MAMBA_GROUP: 0}
-        pool = self.manager.block_pool
-        for block in pool.blocks:
-            if block.block_hash is not None:
-                counts[get_group_id(block.block_hash)] += 1
-        return counts
 
 
 def run_case(

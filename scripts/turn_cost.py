@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from scripts import bench, cpu_env
+from scripts import bench, cpu_env, mods
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = bench.TREES
@@ -56,6 +56,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
     """In a process whose ``vllm`` is the tree: per repetition and turn, the phase times."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -77,7 +78,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},
     )
     if tree == "patched":
-        kwargs["enable_mamba_eagle_predecessor_checkpoint"] = True
+        kwargs.update(mods.switch_fields("cpu", Path(vllm.__file__).parent))
     timings: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     _instrument(timings, counts)

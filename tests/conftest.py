@@ -4,8 +4,7 @@
 on ``sys.path``; ``KIT_TREE=installed`` (the images) uses the installed vllm.
 Markers: ``cpu`` (runs here), ``container`` (needs buildah and the cpu images;
 skipped with the command that builds them, a failure under
-``KIT_REQUIRE_CONTAINERS=1`` as in CI), ``gpu`` (needs an accelerator; skipped
-with a reason on CPU machines).
+``KIT_REQUIRE_CONTAINERS=1`` as in CI).
 ``fixed_by_mod`` marks cases that encode the measured regression: on the
 unpatched tree they are strict expected failures, so a regression that starts
 passing unpatched fails the run.
@@ -60,8 +59,13 @@ def tree_mods() -> list[str]:
     return [m["name"] for m in json.loads(record.read_text())["mods"]]
 
 
-def has_gpu() -> bool:
-    return shutil.which("nvidia-smi") is not None or Path("/dev/kfd").exists()
+def carries_the_fix() -> bool:
+    """Whether the tree under test has a switched mod (the fix under test, whatever
+    release it was made for) applied: what makes a tree "patched"."""
+    from scripts import mods
+
+    switched = {n for n in mods.available() if "enable_flag" in mods.load_mod(n).manifest}
+    return bool(switched & set(tree_mods()))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -69,12 +73,8 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    patched = "fix-eagle-fine-prefix" in tree_mods()
+    patched = carries_the_fix()
     for item in items:
-        if item.get_closest_marker("gpu") and not has_gpu():
-            item.add_marker(
-                pytest.mark.skip(reason="needs a GPU (gb10 or strix); none on this machine")
-            )
         if item.get_closest_marker("container") and shutil.which("buildah") is None:
             if REQUIRE_CONTAINERS:
                 item.add_marker(pytest.mark.xfail(strict=True, run=False, reason="no buildah"))
@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tree_is_patched() -> bool:
-    return "fix-eagle-fine-prefix" in tree_mods()
+    return carries_the_fix()
 
 
 @pytest.fixture(scope="session")

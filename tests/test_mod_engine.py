@@ -154,6 +154,25 @@ def test_manifest_missing_key_and_wrong_files(tmp_path: Path) -> None:
         mods.load_mod(MOD, mods_dir)
 
 
+def test_a_switch_needs_its_flag_and_its_config_field(tmp_path: Path) -> None:
+    mods_dir = _copy_mod(tmp_path)
+    manifest = mods_dir / MOD / "mod.toml"
+    text = manifest.read_text()
+    field_line = 'cache_config_field = "enable_mamba_eagle_predecessor_checkpoint"\n'
+    assert field_line in text
+    manifest.write_text(text.replace(field_line, ""))
+    with pytest.raises(mods.ModError, match="has 'enable_flag' but not 'cache_config_field'"):
+        mods.load_mod(MOD, mods_dir)
+
+
+def test_each_release_fix_is_switched_by_one_flag_and_field() -> None:
+    flag = "--enable-mamba-eagle-predecessor-checkpoint"
+    for release, fix in (("0.32.0", MOD), ("0.34.0", "fix-eagle-fine-prefix-lookahead")):
+        switched = mods.switched_mods("strix", release)
+        assert [m.name for m in switched] == [fix]
+        assert switched[0].manifest["enable_flag"] == flag
+
+
 def test_patch_that_breaks_syntax_is_refused(tmp_path: Path, tree: Path) -> None:
     mods_dir = _copy_mod(tmp_path)
     patch = mods_dir / MOD / "mod.patch"
