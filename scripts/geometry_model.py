@@ -123,8 +123,9 @@ def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
         last_block, tail, crossed = limit // b * b, limit // h * h, limit // b * b
     else:
         # EAGLE drops a whole block below the last one A fills.
-        crossed = n // b * b
-        last_block, tail = max(crossed - b, 0), max(n // h * h - h, 0)
+        last_block, tail = max(n // b * b - b, 0), max(n // h * h - h, 0)
+        # The last block boundary a follow-up that diverges inside A can share.
+        crossed = (n - 1) // b * b
     if not patched:
         return Checkpoints(last_block, tail, 0, 0)
     # The EAGLE rewind turns a match on the boundary into a resume one unit below.
