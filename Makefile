@@ -52,6 +52,9 @@ TURN_REPS ?= 5
 turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round)
 	$(VENV_PY) -m scripts.turn_cost --reps $(TURN_REPS) --out results/turn-cost.json
 
+loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
+	$(VENV_PY) -m scripts.loss_sweep
+
 BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
 
 report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU bundle) as Markdown

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scripts.geometry_model import Case
+from scripts.loss_sweep import random_cases, sweep
 from scripts.regress import eagle_specific_loss, verdict
 
 pytestmark = pytest.mark.cpu
@@ -44,3 +45,15 @@ def test_verdict_tells_an_improvement_short_of_the_ideal_from_a_fix() -> None:
     assert verdict(Case(64, 16, 1, 64, 40), unpatched=0, patched=48) == "fixed"
     # A result the geometry model does not predict is never dressed up.
     assert verdict(case, unpatched=0, patched=384) == "UNEXPECTED"
+
+
+def test_the_fix_leaves_speculation_only_budget_cut_losses() -> None:
+    """The geometry model over random geometries (make loss-sweep): with the fix a
+    prefill that fits in one step never loses to speculation, and every loss left
+    sits at a block state a step-budget cut made."""
+    trees = sweep(random_cases(2000, seed=7))
+    for hashing in ("legacy", "lookahead"):
+        row = trees[f"patched/{hashing}"]
+        assert row["of_which_one_step_prefill"] == 0, hashing
+        assert row["of_which_at_a_budget_cut_block_state"] == row["lose_to_speculation"]
+    assert trees["unpatched/legacy"]["of_which_one_step_prefill"] > 0

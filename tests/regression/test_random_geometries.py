@@ -3,9 +3,9 @@ contexts several blocks long, step budgets that cut the prefill.
 
 The geometry model must hold on the real scheduler for each, with no stale
 state. On the patched tree speculation may lose something of its own in one
-place only, measured and documented in mods/fix-eagle-fine-prefix/README.md:
-B's full-attention match is a block boundary below the last one inside A where
-a step budget that cut A's prefill left a block-aligned state, and EAGLE's
+place only, measured (`make loss-sweep`) and documented in mods/fix-eagle-fine-prefix/README.md:
+the server without speculation resumes on a block boundary below the last one
+inside A, where a step budget that cut A's prefill left a state, and EAGLE's
 rewind needs the state one unit below it. Keeping that state below every cut
 is one more state and chunk end per cut, growing with the prompt, not a
 constant per prompt, so the fix does not; a prefill that fits in one step
@@ -20,6 +20,7 @@ from dataclasses import replace
 import pytest
 
 from scripts.geometry_model import Case, expected
+from scripts.loss_sweep import earlier_block_state
 from scripts.regress import eagle_specific_loss
 from scripts.sched_harness import run_case
 
@@ -47,11 +48,6 @@ def _cases(count: int = 80) -> list:
     return out
 
 
-def _earlier_block_state(case: Case, fa_match: int, chunk_ends: tuple[int, ...]) -> bool:
-    last_inside = (case.producer_len - 1) // case.block * case.block
-    return fa_match % case.block == 0 and fa_match < last_inside and fa_match in chunk_ends
-
-
 @pytest.mark.parametrize("case", _cases())
 def test_random_geometry(tiny_model_dir, tree_is_patched: bool, case: Case) -> None:
     want = expected(case, patched=tree_is_patched)
@@ -63,4 +59,4 @@ def test_random_geometry(tiny_model_dir, tree_is_patched: bool, case: Case) -> N
     assert plain.hit == expected(replace(case, num_spec=0), patched=tree_is_patched).hit
     if tree_is_patched and eagle_specific_loss(case, b.hit, plain.hit) > 0:
         assert case.budget < case.producer_len, "a one-step prefill lost to speculation"
-        assert _earlier_block_state(case, bounds.fa_match, want.chunk_ends), (b.hit, plain.hit)
+        assert earlier_block_state(case, plain.hit, want.chunk_ends), (b.hit, plain.hit)
