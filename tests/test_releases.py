@@ -59,12 +59,6 @@ def test_lookahead_model_reproduces_the_measured_0_33_facts() -> None:
         assert expected(case, patched=True, lookahead=1).hit == patched, shared
 
 
-def test_lookahead_zero_is_the_0_32_model() -> None:
-    for _, case in all_cases():
-        for patched in (False, True):
-            assert expected(case, patched, lookahead=0) == expected(case, patched), case
-
-
 def test_each_release_tree_differs_by_the_lookahead_fix_alone() -> None:
     for version in releases.known():
         assert [m.name for m in releases.fixes(version)] == ["fix-eagle-fine-prefix-lookahead"]
