@@ -16,25 +16,25 @@ help: ## list the targets with one line each
 	  awk 'BEGIN {FS = ":.*## "}; {printf "  %-20s %s\n", $$1, $$2}'
 
 setup: ## create .venv with the pinned CPU vLLM and torch, and the unpatched/patched trees
-	$(PYTHON) -m scripts.setup_env
+	$(PYTHON) -m kit.setup_env
 
 test: setup lint ## everything CI runs: lint, the suite on both trees, vLLM's own prefix-cache suite (pinned and newest release)
 	@for tree in $(TREES); do \
 	  echo "== pytest on the $$tree tree"; \
 	  KIT_TREE=$$tree $(VENV_PY) -m pytest -q -p no:cacheprovider || exit 1; \
 	done
-	$(VENV_PY) -m scripts.upstream_suite
-	$(VENV_PY) -m scripts.upstream_suite --vllm newest
+	$(VENV_PY) -m kit.upstream_suite
+	$(VENV_PY) -m kit.upstream_suite --vllm newest
 
 lint: setup ## ruff over the kit's Python
-	$(VENV_PY) -m ruff check scripts tests
-	$(VENV_PY) -m ruff format --check scripts tests
+	$(VENV_PY) -m ruff check kit tests
+	$(VENV_PY) -m ruff format --check kit tests
 
 mods-drift: setup ## every mod against every known vLLM release: applies / applied / drift, still needed
-	$(VENV_PY) -m scripts.mods_drift
+	$(VENV_PY) -m kit.mods_drift
 
 mods-list: setup ## the mods and their state against both trees
-	@for tree in $(TREES); do $(VENV_PY) -m scripts.mods list --tree .trees/$$tree/vllm; done
+	@for tree in $(TREES); do $(VENV_PY) -m kit.mods list --tree .trees/$$tree/vllm; done
 
 # The main job: the GPU target this host has, else the CPU default.
 HOST_TARGET := $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo gb10; \
@@ -45,29 +45,29 @@ BENCH_ARGS ?=
 bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs patched, on this host's target
 
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
-	$(VENV_PY) -m scripts.bench --reps $(REPS) $(BENCH_ARGS)
+	$(VENV_PY) -m kit.bench --reps $(REPS) $(BENCH_ARGS)
 
 TURN_REPS ?= 5
 
 turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round)
-	$(VENV_PY) -m scripts.turn_cost --reps $(TURN_REPS) --out results/turn-cost.json
+	$(VENV_PY) -m kit.turn_cost --reps $(TURN_REPS) --out results/turn-cost.json
 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
-	$(VENV_PY) -m scripts.loss_sweep
+	$(VENV_PY) -m kit.loss_sweep
 
 BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
 
 report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU bundle) as Markdown
-	$(VENV_PY) -m scripts.report $(BUNDLES)
+	$(VENV_PY) -m kit.report $(BUNDLES)
 
-# The container flow (scripts/orchestrate.py): host check, images built or reused,
+# The container flow (kit/orchestrate.py): host check, images built or reused,
 # models verified offline, both suites inside both images, the TTFT comparison
 # on an isolated network, one bundle under results/.
 ENGINE ?= auto
 NODES ?= 1
 SHARED ?=
 # VLLM=<release from pins.toml [releases]>: gb10/strix images built from that release.
-ORCH = $(VENV_PY) -m scripts.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
+ORCH = $(VENV_PY) -m kit.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
   $(if $(VLLM),--vllm $(VLLM))
 ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED))
 
@@ -92,22 +92,22 @@ test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu 
 VLLM ?=
 
 regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
-	$(VENV_PY) -m scripts.regress $(if $(VLLM),--vllm $(VLLM))
+	$(VENV_PY) -m kit.regress $(if $(VLLM),--vllm $(VLLM))
 
 upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees (VLLM=0.33.0|0.34.0|newest: a later release's)
-	$(VENV_PY) -m scripts.upstream_suite $(if $(VLLM),--vllm $(VLLM))
+	$(VENV_PY) -m kit.upstream_suite $(if $(VLLM),--vllm $(VLLM))
 
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
-	$(VENV_PY) -m scripts.tiny_model --out .models/tiny-qwen3-next
+	$(VENV_PY) -m kit.tiny_model --out .models/tiny-qwen3-next
 
 build-gb10: setup ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
-	$(VENV_PY) -m scripts.images gb10 $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
+	$(VENV_PY) -m kit.images gb10 $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
 build-strix: setup ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
-	$(VENV_PY) -m scripts.images strix $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
+	$(VENV_PY) -m kit.images strix $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
 build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
-	$(VENV_PY) -m scripts.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
+	$(VENV_PY) -m kit.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
 lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores only)
 	.venv/bin/hadolint images/*/Dockerfile
@@ -120,19 +120,19 @@ MODELS_TAR ?= models-export.tar.gz
 MODEL_SEL = $(if $(MODEL),--model $(MODEL)) $(if $(TARGET),--target $(TARGET))
 
 lock-models: setup ## (online) resolve models.lock revisions to commits, record sizes and sha256
-	$(VENV_PY) -m scripts.models lock $(if $(MODEL),--model $(MODEL))
+	$(VENV_PY) -m kit.models lock $(if $(MODEL),--model $(MODEL))
 
 fetch-models: setup ## (online) download exactly the locked files into the model store
-	$(VENV_PY) -m scripts.models fetch $(MODEL_SEL)
+	$(VENV_PY) -m kit.models fetch $(MODEL_SEL)
 
 verify-models: setup ## (offline) check the store against models.lock; FULL=1 hashes every file
-	$(VENV_PY) -m scripts.models verify $(MODEL_SEL) $(if $(FULL),--full)
+	$(VENV_PY) -m kit.models verify $(MODEL_SEL) $(if $(FULL),--full)
 
 export-models: setup ## (offline) write the store as $(MODELS_TAR) for an air-gapped machine
-	$(VENV_PY) -m scripts.models export $(MODEL_SEL) $(MODELS_TAR)
+	$(VENV_PY) -m kit.models export $(MODEL_SEL) $(MODELS_TAR)
 
 import-models: setup ## (offline) unpack $(MODELS_TAR) into the store and verify it
-	$(VENV_PY) -m scripts.models import $(MODEL_SEL) $(MODELS_TAR)
+	$(VENV_PY) -m kit.models import $(MODEL_SEL) $(MODELS_TAR)
 
 clean: ## remove the trees, caches and build outputs (keeps .venv and results/)
 	rm -rf .trees .cache .models .pytest_cache

@@ -30,11 +30,11 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def _select_tree() -> Path | None:
-    from scripts import cpu_env
+    from kit import cpu_env
 
     if TREE == "installed":
         # Inside the kit's images: the image's own vllm, patched or not.
-        from scripts.image_stage import installed_vllm
+        from kit.image_stage import installed_vllm
 
         return installed_vllm()
 
@@ -62,7 +62,7 @@ def tree_mods() -> list[str]:
 def carries_the_fix() -> bool:
     """Whether the tree under test has a switched mod (the fix under test, whatever
     release it was made for) applied: what makes a tree "patched"."""
-    from scripts import mods
+    from kit import mods
 
     switched = {n for n in mods.available() if "enable_flag" in mods.load_mod(n).manifest}
     return bool(switched & set(tree_mods()))
@@ -95,7 +95,7 @@ def tree_is_patched() -> bool:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.tiny_model import write_tiny_model
+    from kit.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next"))
 
@@ -103,7 +103,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_multi_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny config with three NEXTN layers: multi-module MTP for k = 3."""
-    from scripts.tiny_model import write_tiny_model
+    from kit.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next-mtp3"), mtp_modules=3)
 
@@ -111,8 +111,8 @@ def tiny_multi_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def cpu_images() -> dict[str, str]:
     """The cpu image refs in buildah's storage, by stage."""
-    from scripts import images, orchestrate
-    from scripts.containers import BuildahEngine
+    from kit import images, orchestrate
+    from kit.containers import BuildahEngine
 
     engine = BuildahEngine()
     refs = {s: orchestrate.image_ref("buildah", "cpu", s) for s in images.STAGES}

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench, cpu_env
-from scripts.geometry_model import expected
-from scripts.openai_client import (
+from kit import bench, cpu_env
+from kit.geometry_model import expected
+from kit.openai_client import (
     MetricsError,
     RequestError,
     cache_config_info,
@@ -22,7 +22,7 @@ from scripts.openai_client import (
     parse_cache_config_info,
     parse_counters,
 )
-from scripts.serve import Server, ServerError
+from kit.serve import Server, ServerError
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -95,7 +95,7 @@ def test_server_that_fails_to_start_is_reported(tmp_path: Path, tree_path: str) 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tree_path: str):
-    from scripts.tiny_model import write_tiny_model
+    from kit.tiny_model import write_tiny_model
 
     home = tmp_path_factory.mktemp("bench")
     args = bench.cpu_serve_args(

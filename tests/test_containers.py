@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.containers import (
+from kit.containers import (
     RUN_SPECS,
     BuildahEngine,
     DockerEngine,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import hostcheck
+from kit import hostcheck
 
 pytestmark = pytest.mark.cpu
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from scripts import cpu_env
-from scripts.kv_copy_check import CHECK, LAYERS
+from kit import cpu_env
+from kit.kv_copy_check import CHECK, LAYERS
 
 pytestmark = pytest.mark.cpu
 

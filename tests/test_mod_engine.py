@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import cpu_env, mods
+from kit import cpu_env, mods
 
 pytestmark = pytest.mark.cpu
 
@@ -46,7 +46,7 @@ def mod() -> mods.Mod:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "scripts.mods", *args], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "kit.mods", *args], cwd=ROOT, capture_output=True, text=True
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import models
+from kit import models
 from tests.hub_server import COMMIT, REPO, FakeHub, HubServer, tiny_repo_files
 
 pytestmark = pytest.mark.cpu
@@ -49,7 +49,7 @@ def run(hub: HubServer, lock: Path, store: Path, *args: str) -> subprocess.Compl
         [
             sys.executable,
             "-m",
-            "scripts.models",
+            "kit.models",
             "--lock-file",
             str(lock),
             "--store",

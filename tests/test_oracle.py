@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from scripts import bench
-from scripts.oracle import first_position_diff, judge
+from kit import bench
+from kit.oracle import first_position_diff, judge
 
 pytestmark = pytest.mark.cpu
 

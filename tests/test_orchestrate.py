@@ -1,4 +1,4 @@
-"""The container flow's steps (scripts/orchestrate.py) on this machine, for real where it can.
+"""The container flow's steps (kit/orchestrate.py) on this machine, for real where it can.
 
 Runs here: host-check stops (recorded hosts), model selection and offline
 verification against the shipped models.lock, the NODES guard, junit
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import hostcheck, images, orchestrate, upstream_suite
-from scripts.containers import RUN_SPECS, BuildahEngine
+from kit import hostcheck, images, orchestrate, upstream_suite
+from kit.containers import RUN_SPECS, BuildahEngine
 
 pytestmark = pytest.mark.cpu
 HOSTS = Path(__file__).parent / "data" / "hosts"

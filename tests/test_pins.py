@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import mods, pins
+from kit import mods, pins
 
 pytestmark = pytest.mark.cpu
 

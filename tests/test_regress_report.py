@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.geometry_model import Case
-from scripts.loss_sweep import random_cases, sweep
-from scripts.regress import eagle_specific_loss, verdict
+from kit.geometry_model import Case
+from kit.loss_sweep import random_cases, sweep
+from kit.regress import eagle_specific_loss, verdict
 
 pytestmark = pytest.mark.cpu
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts import release_report, releases
-from scripts.geometry_cases import all_cases
-from scripts.geometry_model import Case, expected, lookahead_ideal
+from kit import release_report, releases
+from kit.geometry_cases import all_cases
+from kit.geometry_model import Case, expected, lookahead_ideal
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent

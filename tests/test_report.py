@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import report
+from kit import report
 
 pytestmark = pytest.mark.cpu
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.geometry_cases import BLOCKS, NUM_SPEC, UNIT
-from scripts.mods import load_mod
-from scripts.sched_harness import Geometry, SchedulerRig, cache_geometry
+from kit.geometry_cases import BLOCKS, NUM_SPEC, UNIT
+from kit.mods import load_mod
+from kit.sched_harness import Geometry, SchedulerRig, cache_geometry
 
 pytestmark = pytest.mark.cpu
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.geometry_model import prompt_checkpoint
-from scripts.sched_harness import FULL_GROUP, MAMBA_GROUP, Geometry, SchedulerRig
+from kit.geometry_model import prompt_checkpoint
+from kit.sched_harness import FULL_GROUP, MAMBA_GROUP, Geometry, SchedulerRig
 
 pytestmark = pytest.mark.cpu
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.geometry_model import Case
-from scripts.sched_harness import Geometry, SchedulerRig, run_case
+from kit.geometry_model import Case
+from kit.sched_harness import Geometry, SchedulerRig, run_case
 
 pytestmark = pytest.mark.cpu
 

@@ -19,10 +19,10 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.geometry_model import Case, expected
-from scripts.loss_sweep import earlier_block_state
-from scripts.regress import eagle_specific_loss
-from scripts.sched_harness import run_case
+from kit.geometry_model import Case, expected
+from kit.loss_sweep import earlier_block_state
+from kit.regress import eagle_specific_loss
+from kit.sched_harness import run_case
 
 pytestmark = pytest.mark.cpu
 

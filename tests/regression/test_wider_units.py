@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from scripts.geometry_model import Case, expected
-from scripts.regress import eagle_specific_loss
-from scripts.sched_harness import run_case
+from kit.geometry_model import Case, expected
+from kit.regress import eagle_specific_loss
+from kit.sched_harness import run_case
 
 pytestmark = pytest.mark.cpu
 

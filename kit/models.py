@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scripts.pins import UNRESOLVED, file_sha256
+from kit.pins import UNRESOLVED, file_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "models.lock"

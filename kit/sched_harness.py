@@ -44,9 +44,9 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from scripts import mods
-from scripts.geometry_cases import prompts
-from scripts.geometry_model import Case
+from kit import mods
+from kit.geometry_cases import prompts
+from kit.geometry_model import Case
 
 FULL_GROUP = 0
 MAMBA_GROUP = 1

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from scripts import mods, pins
+from kit import mods, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 

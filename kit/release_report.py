@@ -1,6 +1,6 @@
 """`make regress VLLM=<release>`: the geometry table on a later vLLM release.
 
-The release runs from its sdist (``scripts/releases.py``) in its own process,
+The release runs from its sdist (``kit/releases.py``) in its own process,
 twice: with its default hashing (lookahead block hashes for EAGLE/MTP: each key
 also covers the L tokens the drafter reads past it, no one-unit drop) and with
 ``disable_lookahead_block_hashes`` (the 0.32.0 hashing, which KV connectors
@@ -28,10 +28,10 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from scripts import pins, releases
-from scripts.geometry_cases import all_cases
-from scripts.geometry_model import Case, expected, lookahead_ideal
-from scripts.regress import eagle_specific_loss, loss_totals, without_speculation
+from kit import pins, releases
+from kit.geometry_cases import all_cases
+from kit.geometry_model import Case, expected, lookahead_ideal
+from kit.regress import eagle_specific_loss, loss_totals, without_speculation
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("lookahead", "legacy")
@@ -39,7 +39,7 @@ MODES = ("lookahead", "legacy")
 
 def _measure(version: str, stage: str, mode: str, model_dir: Path) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "scripts.regress", "measure", "--model", str(model_dir)]
+        cmd = [sys.executable, "-m", "kit.regress", "measure", "--model", str(model_dir)]
         cmd += ["--out", out.name]
         cmd += ["--fix"] if stage == "patched" else []
         cmd += ["--legacy-hashes"] if mode == "legacy" else []
@@ -129,7 +129,7 @@ def render(report: dict) -> str:
 
 
 def run(version: str, quiet: bool = False, out_root: Path | None = None) -> int:
-    from scripts.tiny_model import write_tiny_model
+    from kit.tiny_model import write_tiny_model
 
     try:
         stage_list = releases.stages(version)

@@ -3,7 +3,7 @@
 The tests come from the release's source distribution on PyPI (sha256 checked):
 the pinned release by default, ``--vllm <release>`` (`make upstream-suite
 VLLM=0.34.0`) a later one from pins.toml [releases], run against that release's
-trees (scripts/releases.py). The patched tree must pass every case the
+trees (kit/releases.py). The patched tree must pass every case the
 unpatched tree passes. Two cases need a GPU and a hub model
 (Qwen/Qwen3.5-0.8B) and are deselected with that reason.
 """
@@ -21,7 +21,7 @@ import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from scripts import cpu_env, pins
+from kit import cpu_env, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
@@ -148,7 +148,7 @@ def start_suite(
     ]
     cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
     if base_env is not None and base_env.get("VLLM_TARGET_DEVICE") == "cpu":
-        cmd += ["-p", "scripts.release_plugin"]
+        cmd += ["-p", "kit.release_plugin"]
     log = (out_dir / f"upstream-{name}.log").open("w")
     return subprocess.Popen(
         cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", type=Path, help="default: results/upstream-suite[/<release>]")
     args = parser.parse_args(argv)
-    from scripts import releases
+    from kit import releases
 
     out_dir = args.out_dir or ROOT / "results" / "upstream-suite"
     try:

@@ -1,13 +1,13 @@
 """Inside one image: the kit's regression suite, the geometry measurements, vLLM's prefix suite.
 
-The orchestrator (``scripts.orchestrate``) runs this once in the unpatched and
+The orchestrator (``kit.orchestrate``) runs this once in the unpatched and
 once in the patched image, with the network cut off, and compares the two
 sides on the host. Writes into ``--out``:
 
 - ``regression-suite.xml`` / ``.log``: ``pytest tests/regression`` against the
   installed vLLM (in the unpatched image the cases that encode the regression
   are strict xfails, so both sides exit 0 when the fix behaves);
-- ``regress.json``: every geometry measured (``scripts.regress measure``), the
+- ``regress.json``: every geometry measured (``kit.regress measure``), the
   patched side with the fix's switch on;
 - ``upstream-<stage>.xml`` / ``.log``: vLLM's ``tests/v1/core/prefix_cache``
   from the pinned sdist, when ``--upstream-tests`` names the unpacked tests;
@@ -27,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts import upstream_suite
-from scripts.tiny_model import write_tiny_model
+from kit import upstream_suite
+from kit.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {"PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "tiny")
-        measure = [py, "-m", "scripts.regress", "measure", "--model", str(model)]
+        measure = [py, "-m", "kit.regress", "measure", "--model", str(model)]
         measure += ["--out", str(args.out / "regress.json")]
         measure += ["--fix"] if args.stage == "patched" else []
         status["regress_measure"] = _run(measure, args.out / "regress.log")

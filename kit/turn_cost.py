@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from scripts import bench, cpu_env, mods
+from kit import bench, cpu_env, mods
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = bench.TREES
@@ -60,7 +60,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from scripts.tiny_model import write_tiny_model
+    from kit.tiny_model import write_tiny_model
 
     model = write_tiny_model(ROOT / ".models" / "tiny-qwen3-next", weights=True)
     kwargs = dict(
@@ -116,7 +116,7 @@ def _run_tree(tree: str, reps: int, shared: int) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=f"{path.parent}{os.pathsep}{ROOT}", HF_HUB_OFFLINE="1")
     env["VLLM_CACHE_ROOT"] = str(ROOT / ".cache" / "vllm" / tree)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "scripts.turn_cost", "measure", tree]
+        cmd = [sys.executable, "-m", "kit.turn_cost", "measure", tree]
         cmd += ["--reps", str(reps), "--shared", str(shared), "--out", out.name]
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
         return json.loads(Path(out.name).read_text())

@@ -21,8 +21,8 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from scripts.geometry_model import Case, expected
-from scripts.regress import eagle_specific_loss
+from kit.geometry_model import Case, expected
+from kit.regress import eagle_specific_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = (64, 128, 384, 2144)

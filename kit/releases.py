@@ -21,8 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts import mods, pins
-from scripts.upstream_suite import fetch_sdist, unpack_sdist_dir
+from kit import mods, pins
+from kit.upstream_suite import fetch_sdist, unpack_sdist_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / ".trees" / "releases"

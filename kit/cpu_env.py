@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from scripts import mods, pins
+from kit import mods, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / ".trees"

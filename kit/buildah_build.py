@@ -3,7 +3,7 @@
 A Debian base made with debootstrap, buildah with the vfs storage driver and
 chroot isolation. The wheelhouse (`wheelhouse/`) is filled from this machine's
 pip (so torch is the CPU build) and bound into the build, which then installs
-offline. The host CA bundle is bound in when present. ``scripts.orchestrate``
+offline. The host CA bundle is bound in when present. ``kit.orchestrate``
 calls this for ``--engine buildah``.
 """
 
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts import images, pins
+from kit import images, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "buildah"

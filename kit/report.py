@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from scripts.bench import table
+from kit.bench import table
 
 
 class BundleError(RuntimeError):

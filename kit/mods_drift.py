@@ -16,8 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts import cpu_env, mods, pins, releases
-from scripts.kv_copy_check import CHECK
+from kit import cpu_env, mods, pins, releases
+from kit.kv_copy_check import CHECK
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,10 +30,10 @@ _PROBE_CHECK = """
 import json, os, tempfile
 from pathlib import Path
 if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-    import scripts.release_plugin
-from scripts.geometry_model import Case, lookahead_ideal
-from scripts.sched_harness import run_case
-from scripts.tiny_model import write_tiny_model
+    import kit.release_plugin
+from kit.geometry_model import Case, lookahead_ideal
+from kit.sched_harness import run_case
+from kit.tiny_model import write_tiny_model
 model = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
 lost = []
 for shared in (64, 79):

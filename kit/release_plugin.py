@@ -2,7 +2,7 @@
 
 From 0.34.0 vLLM's CPU platform refuses x86 without triton-cpu when a config is
 built; the prefix-cache suite runs the scheduler and cache manager only, which
-use no kernel. Loaded with ``-p scripts.release_plugin`` by scripts/upstream_suite.py.
+use no kernel. Loaded with ``-p kit.release_plugin`` by kit/upstream_suite.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ B (cached: the measurement), B again (exact repeat: lower bound), then the
 prefix cache is reset and B is sent once more (cold: upper bound, and the
 correctness reference for the cached B). Also a 4-turn conversation.
 Every request's cached-token count must equal the geometry model's number and
-every cached answer must pass the oracle (``scripts/oracle.py``); otherwise
+every cached answer must pass the oracle (``kit/oracle.py``); otherwise
 the run fails, naming the tree, S and repetition (``--record-only`` records
 instead).
 Isolation: every repetition uses a fresh context (new token ids), so one
@@ -34,10 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from scripts import cpu_env, models, mods, oracle, pins
-from scripts.geometry_model import Case, expected, prompt_checkpoint
-from scripts.openai_client import cache_config_info, complete, counters, reset_prefix_cache
-from scripts.serve import Server, server_command, server_env, wait_healthy
+from kit import cpu_env, models, mods, oracle, pins
+from kit.geometry_model import Case, expected, prompt_checkpoint
+from kit.openai_client import cache_config_info, complete, counters, reset_prefix_cache
+from kit.serve import Server, server_command, server_env, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_TOKEN = 13
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     from tabulate import tabulate
     from tqdm import tqdm
 
-    from scripts.tiny_model import weights_sha256, write_tiny_model
+    from kit.tiny_model import weights_sha256, write_tiny_model
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     label = args.locked_model or "cpu"
@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "geometry": geo,
         "model": args.locked_model
-        or {"tiny": "scripts/tiny_model.py", "weights_sha256": weights_sha256(model_dir)},
+        or {"tiny": "kit/tiny_model.py", "weights_sha256": weights_sha256(model_dir)},
         "reps": args.reps,
         "shared": args.shared,
         "summary": summary,
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             else {t: mods.read_provenance(cpu_env.ensure_tree(t)) for t in TREES},
             "servers": {t: s.url for t, s in servers.items()},
             "commands": {
-                "bench": [sys.executable, "-m", "scripts.bench", *sys.argv[1:]],
+                "bench": [sys.executable, "-m", "kit.bench", *sys.argv[1:]],
                 **{t: s.args for t, s in servers.items()},
             },
         },
@@ -609,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     (out / "bench.md").write_text("\n".join(md))
     try:
-        from scripts.plot import ttft_plot
+        from kit.plot import ttft_plot
 
         ttft_plot(summary, out / "ttft.png")
     except ImportError:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         run(pip + want["requirements"])
         run([str(PY), "-m", "pip", "uninstall", "-y", "-q", *INCOMPATIBLE])
         STAMP.write_text(json.dumps(want, indent=1) + "\n")
-    run([str(PY), "-m", "scripts.cpu_env"])
+    run([str(PY), "-m", "kit.cpu_env"])
     return 0
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scripts.geometry_model import Case
+from kit.geometry_model import Case
 
 UNIT = 16
 BLOCKS = (64, 384, 2144)

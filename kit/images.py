@@ -17,14 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts import mods, pins
+from kit import mods, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("unpatched", "patched")
 
 
 # What the Dockerfiles COPY into /opt/kit; their hash labels the image.
-KIT_SOURCES = ("pins.toml", "pyproject.toml", "models.lock", "scripts", "mods", "tests")
+KIT_SOURCES = ("pins.toml", "pyproject.toml", "models.lock", "kit", "mods", "tests")
 SOURCE_LABEL = "io.hybrid-prefix-kit.source.sha256"
 PINS_LABEL = "io.hybrid-prefix-kit.pins.sha256"
 

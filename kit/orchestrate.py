@@ -11,7 +11,7 @@ Steps, each stopping early with the fix when something is missing:
      geometry measured, and vLLM's own tests/v1/core/prefix_cache;
   5. the TTFT comparison: one server per image plus a client container, all on
      an isolated network that reaches nothing else (proof that nothing is
-     fetched at run time), interleaved A B / B A as in ``scripts.bench``;
+     fetched at run time), interleaved A B / B A as in ``kit.bench``;
   6. the bundle ``results/<date>-<target>-<id>/`` with ``provenance.json``.
 
 Every container, server and network the run starts is removed when it ends,
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts import (
+from kit import (
     buildah_build,
     hostcheck,
     images,
@@ -43,7 +43,7 @@ from scripts import (
     releases,
     upstream_suite,
 )
-from scripts.containers import (
+from kit.containers import (
     RUN_SPECS,
     EngineUnavailable,
     Mount,
@@ -123,7 +123,7 @@ def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
             if not info or not images.is_current(info["labels"]):
                 raise OrchestrateError(
                     f"{ref}: built, but its labels do not match the kit's files now "
-                    "(were scripts/, tests/ or mods/ edited during the build?); run again"
+                    "(were kit/, tests/ or mods/ edited during the build?); run again"
                 )
             current = True
         else:
@@ -171,7 +171,7 @@ def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: P
     boxes = {}
     for stage in STAGES:
         outs[stage] = _writable(bundle / "suites" / stage)
-        command = ["python", "-m", "scripts.image_suites", "--stage", stage]
+        command = ["python", "-m", "kit.image_suites", "--stage", stage]
         command += ["--out", IN_IMAGE_OUT, "--upstream-tests", IN_IMAGE_UPSTREAM]
         mounts = (
             Mount(str(outs[stage]), IN_IMAGE_OUT, writable=True),
@@ -249,7 +249,7 @@ def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict
     with engine.network() as net:
         servers = {}
         for stage in STAGES:
-            command = ["python", "-m", "scripts.bench", "--serve-only", stage]
+            command = ["python", "-m", "kit.bench", "--serve-only", stage]
             command += ["--host", "0.0.0.0", "--port", str(PORTS[stage])]
             command += bench_args(plan, model)
             name = f"{net.name}-{stage}"
@@ -259,7 +259,7 @@ def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict
             f"{stage}=http://{net.address(f'{net.name}-{stage}')}:{PORTS[stage]}"
             for stage in STAGES
         ]
-        client = ["python", "-m", "scripts.bench", "--out", IN_IMAGE_OUT, "--reps", str(plan.reps)]
+        client = ["python", "-m", "kit.bench", "--out", IN_IMAGE_OUT, "--reps", str(plan.reps)]
         client += [arg for url in urls for arg in ("--server-url", url)]
         client += ["--shared", *map(str, plan.shared)] if plan.shared else []
         client += bench_args(plan, model)
@@ -361,7 +361,7 @@ def manifest(plan, engine, host: dict, found: dict, suites: dict, model, bench: 
         "kit_source_sha256": images.source_sha256(),
         "suites": suites.get("summary", {}),
         "commands": {
-            "orchestrator": [sys.executable, "-m", "scripts.orchestrate", *plan.argv],
+            "orchestrator": [sys.executable, "-m", "kit.orchestrate", *plan.argv],
             **bench.get("commands", {}),
         },
         "network": "containers on an isolated network with no route out",

@@ -17,9 +17,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from scripts import cpu_env, mods, pins
-from scripts.geometry_cases import all_cases
-from scripts.geometry_model import Case, expected, lookahead_ideal
+from kit import cpu_env, mods, pins
+from kit.geometry_cases import all_cases
+from kit.geometry_model import Case, expected, lookahead_ideal
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "results" / "regression"
@@ -30,9 +30,9 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
     import vllm
 
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-        # A release tree from its sdist (scripts/releases.py).
-        import scripts.release_plugin  # noqa: F401
-    from scripts.sched_harness import cache_geometry, run_case
+        # A release tree from its sdist (kit/releases.py).
+        import kit.release_plugin  # noqa: F401
+    from kit.sched_harness import cache_geometry, run_case
 
     rows = {}
     geometry = {}
@@ -65,7 +65,7 @@ def _measure_tree(name: str, model_dir: Path) -> dict:
             [
                 sys.executable,
                 "-m",
-                "scripts.regress",
+                "kit.regress",
                 "measure",
                 "--model",
                 str(model_dir),
@@ -257,13 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.vllm and args.vllm != pins.get("vllm.version"):
-        from scripts import release_report
+        from kit import release_report
 
         return release_report.run(args.vllm, args.quiet)
 
     from tabulate import tabulate
 
-    from scripts.tiny_model import write_tiny_model
+    from kit.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "tiny")

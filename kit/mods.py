@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts import pins, udiff
+from kit import pins, udiff
 
 ROOT = Path(__file__).resolve().parent.parent
 MODS_DIR = ROOT / "mods"
