@@ -18,13 +18,21 @@ help: ## list the targets with one line each
 setup: ## create .venv with the pinned CPU vLLM and torch, and the unpatched/patched trees
 	$(PYTHON) -m kit.setup_env
 
-test: setup lint ## everything CI runs: lint, the suite on both trees, vLLM's own prefix-cache suite (pinned and newest release)
-	@for tree in $(TREES); do \
-	  echo "== pytest on the $$tree tree"; \
-	  KIT_TREE=$$tree $(VENV_PY) -m pytest -q -p no:cacheprovider || exit 1; \
-	done
-	$(VENV_PY) -m kit.upstream_suite
-	$(VENV_PY) -m kit.upstream_suite --vllm newest
+# Each phase prints its time. The whole suite runs on the patched tree; the tests
+# marked `tree` (they measure the vLLM tree under test) run on the unpatched one too.
+PHASE = bash -c 'start=$$(date +%s); "$${@:2}"; rc=$$?; \
+  echo "== $$1: $$( [ $$rc -eq 0 ] && echo passed || echo FAILED ) in $$(( $$(date +%s) - start )) s"; \
+  exit $$rc' phase
+
+test: setup lint ## everything CI runs: lint, the suite (tree-dependent tests on both trees), vLLM's own prefix-cache suite (pinned and newest release)
+	@$(PHASE) "pytest, patched tree, every test" \
+	  env KIT_TREE=patched $(VENV_PY) -m pytest -q -p no:cacheprovider
+	@$(PHASE) "pytest, unpatched tree, tests marked tree" \
+	  env KIT_TREE=unpatched $(VENV_PY) -m pytest -q -p no:cacheprovider -m tree
+	@$(PHASE) "vLLM's prefix-cache suite, pinned release, both trees" \
+	  $(VENV_PY) -m kit.upstream_suite
+	@$(PHASE) "vLLM's prefix-cache suite, newest release, both trees" \
+	  $(VENV_PY) -m kit.upstream_suite --vllm newest
 
 lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff check kit tests

@@ -1,7 +1,8 @@
 """Build the cpu image's stages with buildah where no Docker engine exists.
 
-A Debian base made with debootstrap, buildah with the vfs storage driver and
-chroot isolation. The wheelhouse (`wheelhouse/`) is filled from this machine's
+A Debian base made with debootstrap, buildah with chroot isolation over the
+kit's store (``kit.buildah_storage``: overlay where the kernel allows it, else
+vfs). The wheelhouse (`wheelhouse/`) is filled from this machine's
 pip (so torch is the CPU build) and bound into the build, which then installs
 offline. The host CA bundle is bound in when present. ``kit.orchestrate``
 calls this for ``--engine buildah``.
@@ -16,13 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kit import images, pins
+from kit import buildah_storage, images, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "buildah"
 BASE_NAME = "localhost/kit-base-bookworm:debootstrap"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-STORAGE = ["--storage-driver", "vfs"]
 
 
 class BuildError(RuntimeError):
@@ -43,7 +43,7 @@ def require_tools() -> None:
 def base_image(suite: str) -> str:
     """A bookworm rootfs from debootstrap, imported once as a buildah image."""
     have = subprocess.run(
-        ["buildah", *STORAGE, "images", "--format", "{{.Name}}:{{.Tag}}"],
+        ["buildah", *buildah_storage.flags(), "images", "--format", "{{.Name}}:{{.Tag}}"],
         capture_output=True,
         text=True,
     ).stdout.split()
@@ -54,13 +54,13 @@ def base_image(suite: str) -> str:
     rootfs.mkdir(parents=True)
     run(["debootstrap", "--variant=minbase", suite, str(rootfs), "http://deb.debian.org/debian"])
     ctr = run(
-        ["buildah", *STORAGE, "from", "scratch"], capture_output=True, text=True
+        ["buildah", *buildah_storage.flags(), "from", "scratch"], capture_output=True, text=True
     ).stdout.strip()
     try:
-        run(["buildah", *STORAGE, "copy", ctr, f"{rootfs}/", "/"])
-        run(["buildah", *STORAGE, "commit", ctr, BASE_NAME])
+        run(["buildah", *buildah_storage.flags(), "copy", ctr, f"{rootfs}/", "/"])
+        run(["buildah", *buildah_storage.flags(), "commit", ctr, BASE_NAME])
     finally:
-        subprocess.run(["buildah", *STORAGE, "rm", ctr], capture_output=True)
+        subprocess.run(["buildah", *buildah_storage.flags(), "rm", ctr], capture_output=True)
     shutil.rmtree(rootfs, ignore_errors=True)
     return BASE_NAME
 
@@ -101,12 +101,14 @@ def build(stage: str) -> str:
     fill_wheelhouse()
     tag = f"localhost/{images.image_tag('cpu', stage)}"
     # Docker format: the OCI format ignores SHELL, and the RUN lines are bash.
-    # No --layers: with vfs every cached layer is a full copy of the root file
-    # system, which costs more than building the shared stage twice.
+    # --layers only on overlay: there the patched stage reuses the unpatched
+    # image's layers and adds one; with vfs every cached layer is a full copy of
+    # the root file system, which costs more than building the shared stage twice.
     cmd = [
         "buildah",
-        *STORAGE,
+        *buildah_storage.flags(),
         "bud",
+        *(["--layers"] if buildah_storage.layers_are_cheap() else []),
         "--format",
         "docker",
         "--isolation",
@@ -124,9 +126,10 @@ def build(stage: str) -> str:
         # Not over /etc/ssl/certs: the image's own ca-certificates package owns that file.
         cmd += ["-v", f"{CA_BUNDLE}:/run/kit-host-ca.crt:ro"]
     run([*cmd, str(ROOT)])
-    # The tag moved; with vfs the image it left behind still holds ~4 GB, and a
-    # few rebuilds fill a disk. Dangling images in this storage are ours.
-    run(["buildah", *STORAGE, "rmi", "--prune"], capture_output=True)
+    # The tag moved; the image it left behind can hold ~4 GB (all of it with
+    # vfs), and a few rebuilds fill a disk. Dangling images in this store are
+    # ours; cached layers under a tagged image have a child and stay.
+    run(["buildah", *buildah_storage.flags(), "rmi", "--prune"], capture_output=True)
     return tag
 
 

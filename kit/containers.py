@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kit import buildah_storage
+
 
 class EngineUnavailable(RuntimeError):
     pass
@@ -352,17 +354,18 @@ class _ProcessContainer(Container):
 
 @dataclass
 class BuildahEngine(_Engine):
-    """`buildah run` with vfs storage and chroot isolation: no daemon, CPU images only.
+    """`buildah run` with chroot isolation over the kit's store: no daemon, CPU images only.
 
     With vfs every new container copies the whole image (~4 GB, ~20 s), so the
-    engine keeps one working container per image and runs each command in it:
+    engine keeps one working container per image and runs each command in it
+    (with overlay that is cheap anyway):
     commands of one image share its writable layer for the engine's lifetime.
     A network is one empty network namespace (loopback only) that every
     container started on it joins.
     """
 
     kind = "buildah"
-    storage: tuple[str, ...] = ("--storage-driver", "vfs")
+    storage: tuple[str, ...] = field(default_factory=lambda: tuple(buildah_storage.flags()))
     started: list[str] = field(default_factory=list)
     processes: list[_ProcessContainer] = field(default_factory=list)
     holders: dict[str, subprocess.Popen] = field(default_factory=dict)

@@ -25,7 +25,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (  # noqa: E402
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec  # noqa: E402
 from vllm.v1.utils import CpuGpuBuffer  # noqa: E402
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
 BLOCK = 16
 CONV_LEN, CONV_DIM = 3, 8

@@ -22,9 +22,14 @@ def dockerfile(target: str) -> str:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_stages_share_one_build(target: str) -> None:
+def test_patched_stage_is_a_layer_over_the_unpatched_image(target: str) -> None:
     stages = re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", dockerfile(target), re.M)
-    assert stages == [("${BASE_IMAGE}", "build"), ("build", "unpatched"), ("build", "patched")]
+    assert stages == [("${BASE_IMAGE}", "build"), ("build", "unpatched"), ("unpatched", "patched")]
+    patched = dockerfile(target).split("AS patched", 1)[1]
+    # Nothing is installed again: the stage only applies mods.
+    assert [line for line in patched.splitlines() if line.startswith("RUN")] == [
+        f"RUN python -m kit.image_stage --target {target} --stage patched"
+    ]
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -30,6 +30,7 @@ def _fractions(python: str, env_path: str | None) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.tree
 def test_cow_copy_of_aliased_views_copies_whole_page() -> None:
     from tests.conftest import TREE_PATH
 

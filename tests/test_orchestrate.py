@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import hostcheck, images, orchestrate, upstream_suite
+from kit import buildah_storage, hostcheck, images, orchestrate, upstream_suite
 from kit.containers import RUN_SPECS, BuildahEngine
 
 pytestmark = pytest.mark.cpu
@@ -166,7 +166,7 @@ def test_interrupt_removes_everything_the_engine_started(cpu_images) -> None:
     assert not box.alive()
     assert not engine.started and not engine.holders and not engine.processes
     listed = subprocess.run(
-        ["buildah", "--storage-driver", "vfs", "containers", "-q"], capture_output=True, text=True
+        ["buildah", *buildah_storage.flags(), "containers", "-q"], capture_output=True, text=True
     ).stdout.split()
     assert working and not working & set(listed)
     assert all(h.poll() is not None for h in holders)

@@ -10,7 +10,6 @@ unpatched trees' measured probe loss.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -22,12 +21,6 @@ from kit.geometry_model import Case, expected, lookahead_ideal
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _patched_pass_only() -> None:
-    if os.environ.get("KIT_TREE", "patched") != "patched":
-        pytest.skip("tree-independent release tests run in the patched pass only")
 
 
 def test_every_release_is_pinned_by_url_and_sha256() -> None:

@@ -12,7 +12,7 @@ from kit.geometry_cases import BLOCKS, NUM_SPEC, UNIT
 from kit.mods import load_mod
 from kit.sched_harness import Geometry, SchedulerRig, cache_geometry
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
 NUM_BLOCKS = 4096
 FP32 = 4

@@ -7,7 +7,7 @@ import pytest
 from kit.geometry_model import prompt_checkpoint
 from kit.sched_harness import FULL_GROUP, MAMBA_GROUP, Geometry, SchedulerRig
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
 UNIT = 16
 REPLY_TOKENS = 6

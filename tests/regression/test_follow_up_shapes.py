@@ -25,7 +25,7 @@ from kit.geometry_model import Case, expected
 from kit.regress import eagle_specific_loss
 from kit.sched_harness import run_case, run_pair
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
 LONG_TAIL = 2 * UNIT + 8
 

@@ -16,7 +16,7 @@ from kit.geometry_model import Case, expected
 from kit.regress import eagle_specific_loss
 from kit.sched_harness import run_case
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
 
 def _regressed(case: Case) -> bool:

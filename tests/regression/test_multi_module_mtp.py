@@ -16,7 +16,7 @@ import pytest
 from kit.geometry_model import Case
 from kit.sched_harness import Geometry, SchedulerRig, run_case
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
 LIVELOCK = (
     "vLLM 0.32.0 livelock: align mode's block-boundary chunk end and multi-module "

@@ -24,7 +24,7 @@ from kit.loss_sweep import earlier_block_state
 from kit.regress import eagle_specific_loss
 from kit.sched_harness import run_case
 
-pytestmark = pytest.mark.cpu
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
 SEED = 20261203
 
