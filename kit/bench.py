@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from kit import cpu_env, models, mods, oracle, pins
+from kit import models, mods, oracle, pins, trees
 from kit.geometry_model import Case, expected, prompt_checkpoint
 from kit.openai_client import cache_config_info, complete, counters, reset_prefix_cache
 from kit.serve import Server, server_command, server_env, wait_healthy
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             tree,
             base + (patched_extra if tree == "patched" else []),
             out / "logs" / f"server-{tree}.log",
-            pythonpath=None if external else str(cpu_env.ensure_tree(tree).parent),
+            tree=None if external else trees.pinned(tree),
             # One compile cache per tree: the two servers start at once, and one
             # tree's compiled artifacts should never be what the other runs.
             env={**env, "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm" / tree)},
@@ -579,9 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             "vllm": pins.get("vllm.version"),
             # External servers (one per image): the orchestrator's manifest has
             # the images' provenance.
-            "trees": {}
-            if external
-            else {t: mods.read_provenance(cpu_env.ensure_tree(t)) for t in TREES},
+            "trees": {} if external else {t: trees.pinned(t).mods_record() for t in TREES},
             "servers": {t: s.url for t, s in servers.items()},
             "commands": {
                 "bench": [sys.executable, "-m", "kit.bench", *sys.argv[1:]],

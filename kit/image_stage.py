@@ -10,27 +10,18 @@ the image was built for, the mods with their patch hashes, and the pin file hash
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
 from pathlib import Path
 
-from kit import mods, pins
+from kit import mods, pins, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def installed_vllm() -> Path:
-    """The vllm package directory; find_spec locates it without running its __init__."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise mods.ModError("no vllm package is installed in this environment")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def record(target: str, stage: str) -> dict:
-    tree = installed_vllm()
+    tree = trees.installed().package
     version, commit = mods.tree_version(tree)
     applied = mods.read_provenance(tree)["mods"]
     return {
@@ -54,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=("unpatched", "patched"), required=True)
     parser.add_argument("--out", type=Path, default=ROOT / "provenance.json")
     args = parser.parse_args(argv)
-    tree = installed_vllm()
+    tree = trees.installed().package
     release, _ = mods.tree_version(tree)
     for line in mods.apply(tree, mods.mods_for_target(args.target, args.stage, release=release)):
         print(line)

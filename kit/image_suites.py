@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kit import upstream_suite
+from kit import trees, upstream_suite
 from kit.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         measure += ["--fix"] if args.stage == "patched" else []
         status["regress_measure"] = _run(measure, args.out / "regress.log")
     if args.upstream_tests:
-        proc, _ = upstream_suite.start_suite(args.stage, args.upstream_tests, args.out, None)
+        proc, _ = upstream_suite.start_suite(
+            args.stage, args.upstream_tests, args.out, trees.installed()
+        )
         # pytest exits 1 on any failed case; the host compares the sides case by case.
         status["upstream_suite"] = proc.wait()
     provenance = ROOT / "provenance.json"

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from kit import cpu_env, mods, pins, releases
+from kit import mods, pins, releases, trees
 from kit.kv_copy_check import CHECK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,12 +49,10 @@ NEEDED_CHECKS = {
 }
 
 
-def _pristine(version: str) -> tuple[Path, dict[str, str]]:
+def _pristine(version: str) -> trees.Tree:
     if version == pins.get("vllm.version"):
-        tree = cpu_env.venv_vllm()
-        return tree, dict(os.environ, PYTHONPATH=str(ROOT))
-    tree = releases.ensure_tree(version, "pristine")
-    return tree, releases.env(version, "pristine")
+        return trees.Tree("pristine", trees.venv_vllm())
+    return releases.tree(version, "pristine")
 
 
 def _needed(mod: str, env: dict[str, str]) -> str:
@@ -87,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         mod = mods.load_mod(name)
         line = [name, ", ".join(mod.releases)]
         for version in versions:
-            tree, env = _pristine(version)
-            state = mods.state(mod, tree).value
+            tree = _pristine(version)
+            state = mods.state(mod, tree.package).value
             key = (NEEDED_CHECKS.get(name, ""), version)
             if key not in verdicts:
-                verdicts[key] = _needed(name, env)
+                verdicts[key] = _needed(name, tree.env())
             needed = verdicts[key]
             rows.append({"mod": name, "release": version, "state": state, "needed": needed})
             line.append(f"{state}; {needed}")

@@ -41,6 +41,7 @@ from kit import (
     pins,
     regress,
     releases,
+    sdists,
     upstream_suite,
 )
 from kit.containers import (
@@ -393,10 +394,10 @@ def run(plan: argparse.Namespace) -> Path:
         # Refuse early what cannot be built (the cpu image has no later release).
         images.build_args(plan.target, plan.vllm)
         spec = releases.release_pins(plan.vllm)
-        sdist = upstream_suite.fetch_sdist(plan.vllm, spec["sdist_url"], spec["sdist_sha256"])
+        sdist = sdists.fetch(plan.vllm, spec["sdist_url"], spec["sdist_sha256"])
         upstream_tests = upstream_suite.extract_tests(sdist, plan.vllm)
     else:
-        upstream_tests = upstream_suite.extract_tests(upstream_suite.sdist_path())
+        upstream_tests = upstream_suite.extract_tests(sdists.pinned())
     with engine_for(plan.engine, plan.target) as engine:
         found = ensure_images(engine, plan.target, plan)
         bundle.mkdir(parents=True, exist_ok=True)
@@ -473,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         releases.ReleaseError,
         buildah_build.BuildError,
         upstream_suite.SuiteError,
+        sdists.SdistError,
         subprocess.CalledProcessError,
         TimeoutError,
     ) as exc:

@@ -17,7 +17,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from kit import cpu_env, mods, pins
+from kit import pins, trees
 from kit.geometry_cases import all_cases
 from kit.geometry_model import Case, expected, lookahead_ideal
 
@@ -52,35 +52,18 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
     return {"vllm_file": vllm.__file__, "rows": rows, "geometry": geometry}
 
 
-def _measure_tree(name: str, model_dir: Path) -> dict:
-    tree = cpu_env.ensure_tree(name)
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{tree.parent}{os.pathsep}{ROOT}",
-        HF_HUB_OFFLINE="1",
-        VLLM_LOGGING_LEVEL="ERROR",
-    )
+def measure_on(tree: trees.Tree, model_dir: Path, fix: bool, legacy_hashes: bool = False) -> dict:
+    """Every geometry, measured in a subprocess that imports exactly this tree's vllm."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kit.regress",
-                "measure",
-                "--model",
-                str(model_dir),
-                "--out",
-                out.name,
-                *(["--fix"] if name == "patched" else []),
-            ],
-            check=True,
-            env=env,
-            cwd=ROOT,
-        )
+        cmd = [sys.executable, "-m", "kit.regress", "measure", "--model", str(model_dir)]
+        cmd += ["--out", out.name]
+        cmd += ["--fix"] if fix else []
+        cmd += ["--legacy-hashes"] if legacy_hashes else []
+        subprocess.run(cmd, check=True, env=tree.env(VLLM_LOGGING_LEVEL="ERROR"), cwd=ROOT)
         data = json.loads(Path(out.name).read_text())
-    if not data["vllm_file"].startswith(str(tree)):
-        raise RuntimeError(f"{name}: measured {data['vllm_file']}, not the tree {tree}")
-    data["provenance"] = mods.read_provenance(tree)
+    if not data["vllm_file"].startswith(str(tree.package)):
+        raise RuntimeError(f"{tree}: measured {data['vllm_file']}, not this tree")
+    data["provenance"] = tree.mods_record()
     return data
 
 
@@ -267,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "tiny")
-        unpatched = _measure_tree("unpatched", model_dir)
-        patched = _measure_tree("patched", model_dir)
+        unpatched = measure_on(trees.pinned("unpatched"), model_dir, fix=False)
+        patched = measure_on(trees.pinned("patched"), model_dir, fix=True)
     report = build_report(unpatched, patched)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "regression.json").write_text(json.dumps(report, indent=1) + "\n")

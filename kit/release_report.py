@@ -22,7 +22,6 @@ prefix) fails the run. Results: ``results/regression/<release>/regression.{json,
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -31,24 +30,15 @@ from pathlib import Path
 from kit import pins, releases
 from kit.geometry_cases import all_cases
 from kit.geometry_model import Case, expected, lookahead_ideal
-from kit.regress import eagle_specific_loss, loss_totals, without_speculation
+from kit.regress import eagle_specific_loss, loss_totals, measure_on, without_speculation
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("lookahead", "legacy")
 
 
 def _measure(version: str, stage: str, mode: str, model_dir: Path) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "kit.regress", "measure", "--model", str(model_dir)]
-        cmd += ["--out", out.name]
-        cmd += ["--fix"] if stage == "patched" else []
-        cmd += ["--legacy-hashes"] if mode == "legacy" else []
-        subprocess.run(cmd, check=True, env=releases.env(version, stage), cwd=ROOT)
-        data = json.loads(Path(out.name).read_text())
-    tree = releases.ensure_tree(version, stage)
-    if not data["vllm_file"].startswith(str(tree)):
-        raise RuntimeError(f"{version}/{stage}: measured {data['vllm_file']}, not {tree}")
-    return data
+    tree = releases.tree(version, stage)
+    return measure_on(tree, model_dir, fix=stage == "patched", legacy_hashes=mode == "legacy")
 
 
 def verdict(case: Case, stage: str, row: dict) -> str:

@@ -21,8 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kit import mods, pins
-from kit.upstream_suite import fetch_sdist, unpack_sdist_dir
+from kit import mods, pins, sdists, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / ".trees" / "releases"
@@ -95,11 +94,11 @@ def ensure_tree(version: str, stage: str = "unpatched") -> Path:
                 return home / "vllm"
         except json.JSONDecodeError:
             pass
-    sdist = fetch_sdist(version, spec["sdist_url"], spec["sdist_sha256"])
+    sdist = sdists.fetch(version, spec["sdist_url"], spec["sdist_sha256"])
     build = home.with_name(f".{stage}.building")
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
-    unpack_sdist_dir(sdist, version, "vllm", build)
+    sdists.unpack(sdist, version, "vllm", build)
     if patch_mods:
         mods.apply(build / "vllm", patch_mods)
     (build / STAMP).write_text(json.dumps(want, indent=1) + "\n")
@@ -134,14 +133,12 @@ def ensure_deps(version: str) -> Path:
     return home
 
 
-def env(version: str, stage: str = "unpatched") -> dict[str, str]:
-    """Environment for a process whose ``vllm`` is this release's tree."""
-    tree = ensure_tree(version, stage)
-    deps = ensure_deps(version)
-    return dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(tree.parent), str(ROOT), str(deps)]),
-        VLLM_TARGET_DEVICE="cpu",
-        HF_HUB_OFFLINE="1",
-        VLLM_LOGGING_LEVEL="ERROR",
+def tree(version: str, stage: str = "unpatched") -> trees.Tree:
+    """This release's tree of a stage, with the dependencies it adds to the .venv's;
+    the CPU platform is forced (the sdist's version string does not say "cpu")."""
+    return trees.Tree(
+        stage,
+        ensure_tree(version, stage),
+        extra_paths=(ensure_deps(version),),
+        extra_env={"VLLM_TARGET_DEVICE": "cpu"},
     )

@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kit.trees import Tree
+
 
 class ServerError(RuntimeError):
     pass
@@ -41,12 +43,11 @@ def server_command(host: str, port: int, args: list[str]) -> list[str]:
     ]
 
 
-def server_env(extra: dict[str, str], pythonpath: str | None = None) -> dict[str, str]:
-    env = dict(os.environ, **extra)
+def server_env(extra: dict[str, str], tree: Tree | None = None) -> dict[str, str]:
+    """A server's environment; with ``tree`` its vllm is that tree's, else the installed one."""
+    env = tree.env(**extra) if tree else dict(os.environ, **extra)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache (the cold reference)
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
     return env
 
 
@@ -73,7 +74,7 @@ class Server:
     name: str
     args: list[str]
     log_path: Path
-    pythonpath: str | None = None
+    tree: Tree | None = None  # None: the vllm installed here (the images)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float = 600.0
     port: int = 0
@@ -87,7 +88,7 @@ class Server:
 
     def start(self) -> Server:
         self.port = self.port or free_port()
-        env = server_env(self.env, self.pythonpath)
+        env = server_env(self.env, self.tree)
         cmd = server_command("127.0.0.1", self.port, self.args)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("w")

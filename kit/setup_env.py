@@ -61,6 +61,17 @@ def healthy(want: dict) -> bool:
     return probe.returncode == 0
 
 
+def kit_installed() -> bool:
+    """Whether the venv imports this checkout's kit from any working directory."""
+    probe = subprocess.run(
+        [str(PY), "-c", "import kit; print(kit.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    return probe.returncode == 0 and probe.stdout.strip() == str(ROOT / "kit" / "__init__.py")
+
+
 def run(cmd: list[str]) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -92,7 +103,23 @@ def main(argv: list[str] | None = None) -> int:
         run(pip + want["requirements"])
         run([str(PY), "-m", "pip", "uninstall", "-y", "-q", *INCOMPATIBLE])
         STAMP.write_text(json.dumps(want, indent=1) + "\n")
-    run([str(PY), "-m", "kit.cpu_env"])
+    if not kit_installed():
+        # The kit itself, editable: its dependencies are the pins above (no resolver
+        # run), and the venv's own setuptools builds it (nothing fetched).
+        run(
+            [
+                str(PY),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "-e",
+                str(ROOT),
+            ]
+        )
+    run([str(PY), "-m", "kit.trees"])
     return 0
 
 

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from kit import bench, cpu_env, mods
+from kit import bench, mods, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = bench.TREES
@@ -112,9 +112,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
 
 
 def _run_tree(tree: str, reps: int, shared: int) -> list[dict]:
-    path = cpu_env.ensure_tree(tree)
-    env = dict(os.environ, PYTHONPATH=f"{path.parent}{os.pathsep}{ROOT}", HF_HUB_OFFLINE="1")
-    env["VLLM_CACHE_ROOT"] = str(ROOT / ".cache" / "vllm" / tree)
+    env = trees.pinned(tree).env(VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm" / tree))
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kit.turn_cost", "measure", tree]
         cmd += ["--reps", str(reps), "--shared", str(shared), "--out", out.name]

@@ -16,12 +16,10 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
-import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from kit import cpu_env, pins
+from kit import pins, sdists, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
@@ -38,44 +36,6 @@ class SuiteError(RuntimeError):
     pass
 
 
-def sdist_path(explicit: Path | None = None) -> Path:
-    """The pinned sdist: an explicit file, a wheelhouse copy, or a download, sha256-checked."""
-    return fetch_sdist(
-        pins.get("vllm.version"),
-        pins.get("vllm.sdist_url"),
-        pins.get("vllm.sdist_sha256"),
-        explicit,
-    )
-
-
-def fetch_sdist(version: str, url: str, want: str, explicit: Path | None = None) -> Path:
-    """One release's sdist: an explicit file, a wheelhouse copy, or a download, sha256-checked."""
-    name = f"vllm-{version}.tar.gz"
-    candidates = [explicit] if explicit else []
-    if os.environ.get("KIT_WHEELHOUSE"):
-        candidates.append(Path(os.environ["KIT_WHEELHOUSE"]) / name)
-    candidates.append(CACHE / name)
-    for path in candidates:
-        if path and path.is_file():
-            if pins.file_sha256(path) != want:
-                raise SuiteError(f"{path}: sha256 differs from pins.toml; delete it and retry")
-            return path
-    CACHE.mkdir(exist_ok=True)
-    target = CACHE / name
-    partial = target.with_suffix(".part")
-    print(f"downloading {url}", file=sys.stderr)
-    with (
-        urllib.request.urlopen(url, timeout=120) as resp,
-        partial.open("wb") as out,
-    ):
-        shutil.copyfileobj(resp, out)
-    if pins.file_sha256(partial) != want:
-        partial.unlink()
-        raise SuiteError(f"downloaded {name} does not match its sdist_sha256 in pins.toml")
-    partial.replace(target)
-    return target
-
-
 def extract_tests(sdist: Path, version: str | None = None) -> Path:
     """Unpack only ``tests/`` once; a stamp names the sdist it came from."""
     version = version or pins.get("vllm.version")
@@ -87,7 +47,7 @@ def extract_tests(sdist: Path, version: str | None = None) -> Path:
     build = dest.with_name(dest.name + ".building")
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
-    unpack_sdist_dir(sdist, version, "tests", build)
+    sdists.unpack(sdist, version, "tests", build)
     # Our pyproject's strict pytest settings must not apply to upstream's tests.
     (build / "pytest.ini").write_text("[pytest]\n")
     stamp_tmp = build / ".kit-stamp"
@@ -97,39 +57,16 @@ def extract_tests(sdist: Path, version: str | None = None) -> Path:
     return dest
 
 
-def unpack_sdist_dir(sdist: Path, version: str, subdir: str, dest: Path) -> None:
-    """Unpack ``vllm-<version>/<subdir>/`` of an sdist as ``dest/<subdir>/`` (files only)."""
-    top = f"vllm-{version}/"
-    with tarfile.open(sdist) as tar:
-        members = []
-        for member in tar.getmembers():
-            if member.name.startswith(f"{top}{subdir}/") and (member.isfile() or member.isdir()):
-                member.name = member.name[len(top) :]
-                members.append(member)
-        if not members:
-            raise SuiteError(f"{sdist}: no {subdir}/ inside; is it the vLLM {version} sdist?")
-        tar.extractall(dest, members=members, filter="data")
-
-
 def start_suite(
-    name: str,
-    tests_dir: Path,
-    out_dir: Path,
-    vllm_parent: Path | None,
-    base_env: dict[str, str] | None = None,
+    name: str, tests_dir: Path, out_dir: Path, tree: trees.Tree
 ) -> tuple[subprocess.Popen, Path]:
-    """Run the suite against the vLLM under ``vllm_parent`` (None: the installed one)."""
+    """Run the suite against one tree, in the background; returns the process and its junit."""
     junit = out_dir / f"upstream-{name}.xml"
-    path = [str(vllm_parent)] if vllm_parent else []
-    base = base_env or os.environ
-    path += [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(
-        base,
-        PYTHONPATH=os.pathsep.join([*path, str(tests_dir)]),
+    env = tree.env(
         PYTHONDONTWRITEBYTECODE="1",  # the tests may sit on a read-only mount
-        HF_HUB_OFFLINE="1",
         VLLM_LOGGING_LEVEL="ERROR",
     )
+    env["PYTHONPATH"] += os.pathsep + str(tests_dir)
     cmd = [
         sys.executable,
         "-m",
@@ -147,7 +84,7 @@ def start_suite(
         f"--junitxml={junit}",
     ]
     cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
-    if base_env is not None and base_env.get("VLLM_TARGET_DEVICE") == "cpu":
+    if tree.extra_env.get("VLLM_TARGET_DEVICE") == "cpu":
         cmd += ["-p", "kit.release_plugin"]
     log = (out_dir / f"upstream-{name}.log").open("w")
     return subprocess.Popen(
@@ -200,28 +137,24 @@ def main(argv: list[str] | None = None) -> int:
             args.vllm = releases.newest()
         if args.vllm and args.vllm != pins.get("vllm.version"):
             spec = releases.release_pins(args.vllm)
-            sdist = fetch_sdist(args.vllm, spec["sdist_url"], spec["sdist_sha256"], args.sdist)
+            sdist = sdists.fetch(args.vllm, spec["sdist_url"], spec["sdist_sha256"], args.sdist)
             tests_dir = extract_tests(sdist, args.vllm)
             out_dir = args.out_dir or out_dir / args.vllm
-            trees = {
-                name: (releases.ensure_tree(args.vllm, name).parent, releases.env(args.vllm, name))
-                for name in releases.stages(args.vllm)
+            under_test = {
+                name: releases.tree(args.vllm, name) for name in releases.stages(args.vllm)
             }
         else:
-            tests_dir = extract_tests(sdist_path(args.sdist))
-            trees = {name: (cpu_env.ensure_tree(name).parent, None) for name in cpu_env.TREE_NAMES}
-    except (SuiteError, releases.ReleaseError, OSError) as exc:
+            tests_dir = extract_tests(sdists.pinned(args.sdist))
+            under_test = {name: trees.pinned(name) for name in trees.TREE_NAMES}
+    except (SuiteError, sdists.SdistError, releases.ReleaseError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if "patched" not in trees:
+    if "patched" not in under_test:
         print(f"error: no mod is made for vLLM {args.vllm}; nothing to compare", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     # Both trees at once: one core each.
-    runs = {
-        name: start_suite(name, tests_dir, out_dir, parent, env)
-        for name, (parent, env) in trees.items()
-    }
+    runs = {name: start_suite(name, tests_dir, out_dir, tree) for name, tree in under_test.items()}
     for proc, _ in runs.values():
         proc.wait()
     results = {name: outcomes(junit) for name, (_, junit) in runs.items()}

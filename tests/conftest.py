@@ -1,7 +1,8 @@
 """Pick the vLLM tree under test before anything imports vLLM, and gate tests by need.
 
 ``KIT_TREE=unpatched|patched`` (default ``patched``) puts ``.trees/<name>`` first
-on ``sys.path``; ``KIT_TREE=installed`` (the images) uses the installed vllm.
+on ``sys.path``; ``KIT_TREE=installed`` (the images) uses the installed vllm
+(``kit.trees.select``).
 Markers: ``cpu`` (runs here), ``container`` (needs buildah and the cpu images;
 skipped with the command that builds them, a failure under
 ``KIT_REQUIRE_CONTAINERS=1`` as in CI).
@@ -12,7 +13,6 @@ passing unpatched fails the run.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -23,53 +23,35 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-TREE = os.environ.get("KIT_TREE", "patched")
 REQUIRE_CONTAINERS = os.environ.get("KIT_REQUIRE_CONTAINERS") == "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def _select_tree() -> Path | None:
-    from kit import cpu_env
-
-    if TREE == "installed":
-        # Inside the kit's images: the image's own vllm, patched or not.
-        from kit.image_stage import installed_vllm
-
-        return installed_vllm()
+def _select_tree():
+    from kit import trees
 
     try:
-        path = cpu_env.ensure_tree(TREE)
+        tree = trees.select()
+        tree.activate()
     except Exception as exc:  # noqa: BLE001 - reported at collection, not hidden
-        sys.stderr.write(f"kit: cannot prepare the {TREE!r} vLLM tree: {exc}\n")
+        sys.stderr.write(f"kit: cannot prepare the vLLM tree under test: {exc}\n")
         return None
-    sys.path.insert(0, str(path.parent))
-    return path
+    return tree
 
 
-TREE_PATH = _select_tree()
-
-
-def tree_mods() -> list[str]:
-    if TREE_PATH is None:
-        return []
-    record = TREE_PATH.parent / "vllm_kit_provenance.json"
-    if not record.is_file():
-        return []
-    return [m["name"] for m in json.loads(record.read_text())["mods"]]
+# The tree under test (kit.trees.Tree), chosen before anything imports vllm.
+TREE = _select_tree()
+TREE_PATH = TREE.package if TREE else None
 
 
 def carries_the_fix() -> bool:
-    """Whether the tree under test has a switched mod (the fix under test, whatever
-    release it was made for) applied: what makes a tree "patched"."""
-    from kit import mods
-
-    switched = {n for n in mods.available() if "enable_flag" in mods.load_mod(n).manifest}
-    return bool(switched & set(tree_mods()))
+    return bool(TREE and TREE.patched)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"kit tree: {TREE} ({TREE_PATH}); mods: {', '.join(tree_mods()) or 'none'}"
+    mods = ", ".join(TREE.mods) if TREE else "none"
+    return f"kit tree: {TREE or 'none'}; mods: {mods or 'none'}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import bench, cpu_env
+from kit import bench, trees
 from kit.geometry_model import expected
 from kit.openai_client import (
     MetricsError,
@@ -74,17 +74,17 @@ def test_locked_model_must_be_pinned_and_verified(capsys) -> None:
 
 
 @pytest.fixture(scope="module")
-def tree_path() -> str:
+def tree() -> trees.Tree:
     # The bench's own machinery under test, on the tree the bench measures the fix with.
-    return str(cpu_env.ensure_tree("patched").parent)
+    return trees.pinned("patched")
 
 
-def test_server_that_fails_to_start_is_reported(tmp_path: Path, tree_path: str) -> None:
+def test_server_that_fails_to_start_is_reported(tmp_path: Path, tree: trees.Tree) -> None:
     server = Server(
         "broken",
         ["--model", str(tmp_path / "no-such-model"), "--load-format", "dummy"],
         tmp_path / "broken.log",
-        pythonpath=tree_path,
+        tree=tree,
         startup_timeout=300,
     )
     with pytest.raises(ServerError, match="exited with"), server:
@@ -93,7 +93,7 @@ def test_server_that_fails_to_start_is_reported(tmp_path: Path, tree_path: str) 
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tree_path: str):
+def server(tmp_path_factory, tree: trees.Tree):
     from kit.tiny_model import write_tiny_model
 
     home = tmp_path_factory.mktemp("bench")
@@ -104,7 +104,7 @@ def server(tmp_path_factory, tree_path: str):
         "patched",
         args,
         home / "server.log",
-        pythonpath=tree_path,
+        tree=tree,
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
         startup_timeout=900,
     ) as srv:

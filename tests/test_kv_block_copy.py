@@ -10,12 +10,13 @@ is vLLM's own ``copy_kv_cache_blocks_inplace`` from the tree under test.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from kit import cpu_env
+from kit import trees
 from kit.kv_copy_check import CHECK, LAYERS
 
 pytestmark = pytest.mark.cpu
@@ -32,10 +33,10 @@ def _fractions(python: str, env_path: str | None) -> list[float]:
 
 @pytest.mark.tree
 def test_cow_copy_of_aliased_views_copies_whole_page() -> None:
-    from tests.conftest import TREE_PATH
+    from tests.conftest import TREE
 
-    assert TREE_PATH is not None, "no vLLM tree selected"
-    fractions = _fractions(sys.executable, str(TREE_PATH.parent))
+    assert TREE is not None, "no vLLM tree selected"
+    fractions = _fractions(sys.executable, os.pathsep.join(TREE.search_path))
     assert fractions == [1.0] * LAYERS, (
         f"the copied attention block equals its source only in {fractions} of its bytes: "
         "the Mamba view at the same address hid the attention view"
@@ -44,7 +45,7 @@ def test_cow_copy_of_aliased_views_copies_whole_page() -> None:
 
 def test_pristine_vllm_still_has_the_aliasing_bug() -> None:
     """vLLM 0.32.0 as installed: the bug the mod exists for (drop the mod when this fails)."""
-    venv_python = cpu_env.venv_vllm().parents[3] / "bin" / "python"
+    venv_python = trees.venv_vllm().parents[3] / "bin" / "python"
     fractions = _fractions(str(venv_python), None)
     # K (the first half of each page) is copied through the Mamba view, V only up
     # to the Mamba extent: about 51.6 % of the page.

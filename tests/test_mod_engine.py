@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import cpu_env, mods
+from kit import mods, trees
 
 pytestmark = pytest.mark.cpu
 
@@ -35,7 +35,7 @@ def replace_file(path: Path, text: str) -> None:
 @pytest.fixture()
 def tree(tmp_path: Path) -> Path:
     dest = tmp_path / "site" / "vllm"
-    cpu_env._hardlink_copy(cpu_env.venv_vllm(), dest)
+    trees._hardlink_copy(trees.venv_vllm(), dest)
     return dest
 
 
@@ -53,13 +53,13 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_apply_revert_roundtrip(tree: Path, mod: mods.Mod) -> None:
     files = mod.manifest["files"]
     before = digest(tree, files)
-    source_before = digest(cpu_env.venv_vllm(), files)
+    source_before = digest(trees.venv_vllm(), files)
     assert mods.state(mod, tree) is mods.State.APPLIES
     assert mods.apply(tree, [mod]) == [f"{MOD}: applied"]
     assert mods.state(mod, tree) is mods.State.APPLIED
     assert digest(tree, files) != before
     # The hard-linked source of the copy is untouched.
-    assert digest(cpu_env.venv_vllm(), files) == source_before
+    assert digest(trees.venv_vllm(), files) == source_before
     record = json.loads(mods.provenance_path(tree).read_text())
     assert record["vllm_version"] == "0.32.0"
     assert [(m["name"], m["patch_sha256"]) for m in record["mods"]] == [(MOD, mod.patch_sha256)]

@@ -97,3 +97,16 @@ def test_cli_reads_pins() -> None:
     args = pins.build_args("gb10")
     assert args["TORCH_CUDA_ARCH_LIST"] == PINS["images"]["gb10"]["torch_cuda_arch_list"]
     assert args["BASE_IMAGE"] == PINS["images"]["gb10"]["base"]
+
+
+def test_every_declared_dependency_has_its_pin_and_no_version() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        declared += extra
+    # Names only in pyproject: a version there would be a second source for the pin.
+    assert all(re.fullmatch(r"[A-Za-z0-9_-]+", d) for d in declared), declared
+    missing = [d for d in declared if d.replace("_", "-") not in PACKAGE_PINS]
+    assert not missing, f"declared in pyproject.toml without a pin in pins.toml: {missing}"

@@ -1,0 +1,198 @@
+"""The vLLM tree a process runs against: one ``Tree`` value, made once, passed everywhere.
+
+A ``Tree`` names a ``vllm`` package directory and what goes with it: the
+environment of a process that must import exactly that package (its search
+path, for subprocesses and servers, or ``activate`` in this process), the mods
+recorded beside it, and whether it carries the fix under test ("patched" is
+decided by the mods, never by a name). Made by ``pinned`` (this module's trees
+of the pinned release), ``kit.releases.tree`` (a later release's, from its
+sdist), ``installed`` (the images' own vllm) and ``select`` (``KIT_TREE``).
+
+The pinned release's two trees: unpatched and patched.
+
+"unpatched" is the pinned vLLM plus the target's enablement mods (cpu:
+cpu-mamba-align-spec, which only lets MTP run with align mode on the CPU);
+"patched" adds the fix under test. The two differ by the fix alone.
+
+Both are hard-linked copies of the ``vllm`` package in ``.venv`` (cheap: only
+files a mod rewrites get new inodes, because the engine replaces files by
+rename). A stamp records what each tree was made from; a missing or stale stamp
+means the tree is rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kit import mods, pins
+
+ROOT = Path(__file__).resolve().parent.parent
+TREES = ROOT / ".trees"
+STAMP = ".kit-tree.json"
+TREE_NAMES = ("unpatched", "patched")
+SELECT_ENV = "KIT_TREE"
+
+
+@dataclass(frozen=True)
+class Tree:
+    """One vLLM package and the environment a process needs to import exactly it."""
+
+    name: str  # unpatched | patched | pristine | installed
+    package: Path  # the ``vllm`` directory
+    extra_paths: tuple[Path, ...] = ()  # dependencies a release adds to the .venv's
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def release(self) -> str:
+        return mods.tree_version(self.package)[0]
+
+    @property
+    def search_path(self) -> list[str]:
+        """PYTHONPATH entries: the tree before everything, then the kit, then extras."""
+        first = [] if self.name == "installed" else [str(self.package.parent)]
+        return [*first, str(ROOT), *map(str, self.extra_paths)]
+
+    def env(self, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+        """The environment of a subprocess or server that runs on this tree."""
+        env = dict(os.environ if base is None else base)
+        inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([*self.search_path, *inherited])
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.extra_env)
+        env.update(extra)
+        return env
+
+    def activate(self) -> None:
+        """Make this process import this tree's vllm (before anything imports it)."""
+        if "vllm" in sys.modules and not sys.modules["vllm"].__file__.startswith(str(self.package)):
+            raise mods.ModError(f"vllm is already imported from elsewhere; cannot use {self}")
+        for entry in reversed(self.search_path):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+
+    def mods_record(self) -> dict:
+        """What the mod engine recorded beside the package: release, commit, mods."""
+        return mods.read_provenance(self.package)
+
+    @property
+    def mods(self) -> list[str]:
+        return [m["name"] for m in self.mods_record()["mods"]]
+
+    @property
+    def patched(self) -> bool:
+        """Carries a switched mod: the fix under test, whatever release it was made for."""
+        return any("enable_flag" in mods.load_mod(n).manifest for n in self.mods)
+
+    def __str__(self) -> str:
+        return f"{self.name} tree ({self.package})"
+
+
+def pinned(name: str, target: str = "cpu") -> Tree:
+    """``.trees/<name>`` of the pinned release, rebuilt first when missing or stale."""
+    return Tree(name, ensure_tree(name, target))
+
+
+def installed() -> Tree:
+    """The vllm installed in this environment (the images); found without importing it,
+    as an import can initialise a GPU."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise mods.ModError("no vllm package is installed in this environment")
+    return Tree("installed", Path(next(iter(spec.submodule_search_locations))))
+
+
+def select(name: str | None = None) -> Tree:
+    """The tree ``KIT_TREE`` names: unpatched, patched (the default) or installed."""
+    name = name or os.environ.get(SELECT_ENV, "patched")
+    if name == "installed":
+        return installed()
+    if name not in TREE_NAMES:
+        raise mods.ModError(
+            f"{SELECT_ENV}={name!r}: use one of {', '.join((*TREE_NAMES, 'installed'))}"
+        )
+    return pinned(name)
+
+
+def venv_vllm(venv: Path = ROOT / ".venv") -> Path:
+    found = sorted(venv.glob("lib/python3*/site-packages/vllm"))
+    if not found:
+        raise mods.ModError(f"no vllm package under {venv}; run 'make setup' first")
+    return found[0]
+
+
+def tree_dir(name: str) -> Path:
+    if name not in TREE_NAMES:
+        raise mods.ModError(f"unknown tree {name!r}; use one of {TREE_NAMES}")
+    return TREES / name
+
+
+def _wanted_stamp(source: Path, name: str, target: str) -> dict:
+    version, _ = mods.tree_version(source)
+    wanted = {
+        "source": str(source),
+        "vllm_version": version,
+        "source_init_mtime": os.stat(source / "__init__.py").st_mtime_ns,
+        "mods": [],
+    }
+    wanted["mods"] = [[m.name, m.patch_sha256] for m in mods.mods_for_target(target, name)]
+    return wanted
+
+
+def _hardlink_copy(source: Path, dest: Path) -> None:
+    shutil.copytree(
+        source, dest, copy_function=os.link, ignore=shutil.ignore_patterns(mods.LOCK_NAME)
+    )
+
+
+def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> Path:
+    """Return ``.trees/<name>/vllm``, rebuilding it when missing or stale."""
+    source = source or venv_vllm()
+    home = tree_dir(name)
+    wanted = _wanted_stamp(source, name, target)
+    stamp = home / STAMP
+    if stamp.is_file() and (home / "vllm").is_dir():
+        try:
+            if json.loads(stamp.read_text()) == wanted:
+                return home / "vllm"
+        except json.JSONDecodeError:
+            pass
+    build = home.with_name(f".{name}.building")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    _hardlink_copy(source, build / "vllm")
+    stage_mods = mods.mods_for_target(target, name)
+    if stage_mods:
+        mods.apply(build / "vllm", stage_mods)
+    (build / STAMP).write_text(json.dumps(wanted, indent=2) + "\n")
+    shutil.rmtree(home, ignore_errors=True)
+    os.replace(build, home)
+    return home / "vllm"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default="cpu", choices=mods.TARGETS)
+    args = parser.parse_args(argv)
+    try:
+        for name in TREE_NAMES:
+            path = ensure_tree(name, args.target)
+            print(
+                f"{name:10s} {path}  ({len(mods.read_provenance(path)['mods'])} mods, "
+                f"pins {pins.file_sha256()[:12]})"
+            )
+    except mods.ModError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
