@@ -19,6 +19,7 @@ No pass/fail threshold on TTFT: the report gives medians, spread and ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -35,7 +36,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kit import models, mods, oracle, pins, trees
-from kit.geometry_model import Case, expected, prompt_checkpoint
+from kit.geometry_model import UNIT, Case, Geometry, expected, prompt_checkpoint
 from kit.openai_client import cache_config_info, complete, counters, reset_prefix_cache
 from kit.serve import Server, server_command, server_env, wait_healthy
 
@@ -176,8 +177,9 @@ def measure(
     }
 
 
-def bench_case(geo: dict, shared: int) -> Case:
-    return Case(geo["block"], geo["unit"], geo["num_spec"], shared, 1, budget=geo["budget"])
+def bench_case(geo: Geometry, shared: int) -> Case:
+    """The bench's A/B pair as a geometry-model case: the "." probe is a one-token tail."""
+    return Case(geo, shared, 1)
 
 
 def run_pair(
@@ -185,16 +187,15 @@ def run_pair(
     tree: str,
     rep: int,
     shared: int,
-    geo: dict,
+    geo: Geometry,
     tolerance: float = oracle.DEFAULT_TOLERANCE,
 ) -> list[dict]:
     ctx = context(rep, shared, "pair")
     a = ctx + [PROBE_TOKEN]
     b = ctx + [4000 + i for i in range(TURN_LEN)]
-    unit, num_spec = geo["unit"], geo["num_spec"]
     case = bench_case(geo, shared)
     want_b = expected(case, patched=tree == "patched").hit
-    resend = prompt_checkpoint(len(b), unit, bool(num_spec))
+    resend = prompt_checkpoint(len(b), geo.unit, geo.eagle)
     # Unmeasured: the first request after the server sat idle (while the other
     # tree ran) waited about 1 s before its prefill in a third of the
     # repetitions, on either tree; cold A should time the prefill, not that.
@@ -219,8 +220,7 @@ def run_pair(
     return rows
 
 
-def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: dict) -> list[dict]:
-    unit = geo["unit"]
+def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: Geometry) -> list[dict]:
     prompt = context(rep, shared, "conv") + [4000 + i for i in range(TURN_LEN)]
     rows, expect = [], 0
     for turn in range(4):
@@ -228,7 +228,7 @@ def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: dict
             server, tree, prompt, f"turn{turn + 1}", expect, rep, shared, max_tokens=REPLY_TOKENS
         )
         rows.append(row)
-        expect = prompt_checkpoint(len(prompt), unit, bool(geo["num_spec"]))
+        expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle)
         prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
     return rows
 
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "block, S mod 16 = 4 and 15; block-aligned; beyond it)",
     )
     parser.add_argument("--block", type=int, default=CPU_BLOCK)
-    parser.add_argument("--unit", type=int, default=16)
+    parser.add_argument("--unit", type=int, default=UNIT)
     parser.add_argument("--num-spec", type=int, default=1, help="MTP draft tokens (0: none)")
     parser.add_argument(
         "--out", type=Path, help="results folder (default: results/<date>-cpu-<id>)"
@@ -480,7 +480,6 @@ def main(argv: list[str] | None = None) -> int:
         print("$ " + shlex.join(cmd), flush=True)
         os.execve(cmd[0], cmd, server_env(env))
     budget = LOCKED_BATCHED_TOKENS if args.locked_model else CPU_BATCHED_TOKENS
-    geo = {"block": args.block, "unit": args.unit, "num_spec": num_spec, "budget": budget}
     external = dict(item.split("=", 1) for item in args.server_url)
     if external and set(external) != set(TREES):
         parser.error("--server-url needs both unpatched=URL and patched=URL")
@@ -520,8 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"not the {args.block} asked for (its Mamba page did not fit the attention "
                 "page); the expected hits would be wrong. Check --mamba-ssm-cache-dtype."
             )
-        geo["block"] = reported["patched"]["block"]
-        geo["unit"] = reported["patched"]["unit"]
+        geo = Geometry(reported["patched"]["block"], reported["patched"]["unit"], num_spec, budget)
         work = [(rep, s) for rep in range(-1, args.reps) for s in args.shared]
         for rep, shared in tqdm(work, desc="repetitions x geometries", unit="pair"):
             order = TREES if rep % 2 == 0 else TREES[::-1]
@@ -548,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             "isolation": "fresh context token ids per repetition",
             "conversation": f"4 turns, {REPLY_TOKENS}-token replies, {TURN_LEN}-token user turns",
         },
-        "geometry": geo,
+        "geometry": dataclasses.asdict(geo),
         "model": args.locked_model
         or {"tiny": "kit/tiny_model.py", "weights_sha256": weights_sha256(model_dir)},
         "reps": args.reps,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kit.geometry_model import Case
+from kit.geometry_model import UNIT, Case, Geometry
 
-UNIT = 16
 BLOCKS = (64, 384, 2144)
 NUM_SPEC = (0, 1, 3)
 RESIDUES = (0, 7, UNIT - 1)
@@ -24,7 +23,7 @@ def all_cases() -> list[tuple[str, Case]]:
             for r in RESIDUES:
                 for k in NUM_SPEC:
                     for tail in TAILS:
-                        case = Case(block, UNIT, k, anchor + r, tail)
+                        case = Case(Geometry(block, UNIT, k), anchor + r, tail)
                         out.append((f"B{block}-{where}-S{case.shared}-r{r}-k{k}-U{tail}", case))
     return out
 

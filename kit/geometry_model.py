@@ -13,26 +13,27 @@ nothing is dropped. ``lookahead=L`` selects those rules; ``lookahead=0`` is the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+# The prefix_match_unit H the kit measures at unless a geometry says otherwise.
+UNIT = 16
 
 
 @dataclass(frozen=True)
-class Case:
-    block: int  # B_phys
-    unit: int  # H
-    num_spec: int  # k; 0 = no speculative decoding
-    shared: int  # S
-    tail: int  # U, the producer's unique tail
+class Geometry:
+    """A hybrid cache as the scheduler sees it: the one description every part of the
+    kit uses (the model, the scheduler rig, the bench)."""
+
+    block: int  # B_phys, tokens per physical block (Mamba state spacing in align mode)
+    unit: int = UNIT  # H, prefix_match_unit
+    num_spec: int = 0  # k draft tokens; 0 = no speculative decoding
     budget: int = 8192  # tokens one step may schedule (max_num_batched_tokens)
-    # B's own tokens after S. The model does not read it: B's length never caps
-    # its match below the shared boundary (tests/regression/test_follow_up_shapes.py).
-    follow_up: int = 48
 
     def __post_init__(self) -> None:
-        if self.follow_up < 1:
+        if self.block % self.unit:
             raise ValueError(
-                f"follow-up of {self.follow_up} tokens: B must add at least one token "
-                "after the shared prefix, or it is a resend of A's prefix"
+                f"block {self.block} is not divisible by prefix_match_unit {self.unit}; "
+                "vLLM requires it"
             )
         if self.budget < self.block:
             raise ValueError(
@@ -44,6 +45,49 @@ class Case:
     @property
     def eagle(self) -> bool:
         return self.num_spec > 0
+
+
+@dataclass(frozen=True)
+class Case:
+    """Producer A (S shared tokens + a tail of U), then follow-up B over the same S."""
+
+    geometry: Geometry
+    shared: int  # S
+    tail: int  # U, the producer's unique tail
+    # B's own tokens after S. The model does not read it: B's length never caps
+    # its match below the shared boundary (tests/regression/test_follow_up_shapes.py).
+    follow_up: int = 48
+
+    def __post_init__(self) -> None:
+        if self.follow_up < 1:
+            raise ValueError(
+                f"follow-up of {self.follow_up} tokens: B must add at least one token "
+                "after the shared prefix, or it is a resend of A's prefix"
+            )
+
+    @property
+    def block(self) -> int:
+        return self.geometry.block
+
+    @property
+    def unit(self) -> int:
+        return self.geometry.unit
+
+    @property
+    def num_spec(self) -> int:
+        return self.geometry.num_spec
+
+    @property
+    def budget(self) -> int:
+        return self.geometry.budget
+
+    @property
+    def eagle(self) -> bool:
+        return self.geometry.eagle
+
+    def without_speculation(self) -> Case:
+        """The same A and B on the same cache, drafting off: the baseline for EAGLE's cost."""
+        return replace(self, geometry=replace(self.geometry, num_spec=0))
 
     @property
     def producer_len(self) -> int:

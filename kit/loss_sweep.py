@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from dataclasses import replace
 from pathlib import Path
 
-from kit.geometry_model import Case, expected
+from kit.geometry_model import Case, Geometry, expected
 from kit.regress import eagle_specific_loss
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +35,7 @@ def random_cases(count: int, seed: int) -> list[Case]:
         block, unit = rng.choice(BLOCKS), rng.choice(UNITS)
         shared, tail = rng.randrange(1, 5 * block), rng.randrange(1, 3 * block)
         budget = max(rng.choice((8192, block, 2 * block)), block)
-        out.append(Case(block, unit, 1, shared, tail, budget=budget))
+        out.append(Case(Geometry(block, unit, 1, budget=budget), shared, tail))
     return out
 
 
@@ -53,7 +52,7 @@ def sweep(cases: list[Case]) -> dict[str, dict[str, int]]:
         for lookahead in (0, 1):
             losing = one_step = in_class = 0
             for case in cases:
-                plain = expected(replace(case, num_spec=0), patched).hit
+                plain = expected(case.without_speculation(), patched).hit
                 want = expected(case, patched, lookahead)
                 if eagle_specific_loss(case, want.hit, plain, lookahead) <= 0:
                     continue

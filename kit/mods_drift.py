@@ -30,13 +30,13 @@ import json, os, tempfile
 from pathlib import Path
 if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
     import kit.release_plugin
-from kit.geometry_model import Case, lookahead_ideal
+from kit.geometry_model import Case, Geometry, lookahead_ideal
 from kit.sched_harness import run_case
 from kit.tiny_model import write_tiny_model
 model = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
 lost = []
 for shared in (64, 79):
-    case = Case(64, 16, 1, shared, 1)
+    case = Case(Geometry(64, num_spec=1), shared, 1)
     rig, _, b, _ = run_case(model, case)
     lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
     lost.append(b.hit < lookahead_ideal(case, lookahead))

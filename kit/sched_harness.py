@@ -46,34 +46,12 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kit import mods
 from kit.geometry_cases import prompts
-from kit.geometry_model import Case
+from kit.geometry_model import Case, Geometry
 
 FULL_GROUP = 0
 MAMBA_GROUP = 1
 MAX_MODEL_LEN = 65536
 EOS_TOKEN_ID = 2
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Cache geometry: physical block, match unit, draft tokens (0 = no speculation)."""
-
-    block_size: int
-    unit: int = 16
-    num_spec: int = 0
-    num_blocks: int = 4096
-    token_budget: int = 8192
-    # fix-eagle-fine-prefix's run-time switch; only the patched tree accepts it.
-    predecessor_checkpoint: bool = False
-    # Releases after 0.32.0: False sets disable_lookahead_block_hashes (legacy hashes).
-    lookahead_hashes: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size % self.unit:
-            raise ValueError(
-                f"block_size {self.block_size} is not divisible by "
-                f"prefix_match_unit {self.unit}; vLLM requires it"
-            )
 
 
 @dataclass(frozen=True)
@@ -110,12 +88,14 @@ def model_config(model_dir: str) -> ModelConfig:
     )
 
 
-def build_vllm_config(model_dir: Path, geo: Geometry) -> VllmConfig:
+def build_vllm_config(
+    model_dir: Path, geo: Geometry, fix: bool = False, lookahead_hashes: bool = True
+) -> VllmConfig:
     mc = model_config(str(model_dir))
     spec = None
     if geo.num_spec:
         legacy = {}
-        if not geo.lookahead_hashes:
+        if not lookahead_hashes:
             if not any(
                 f.name == "disable_lookahead_block_hashes"
                 for f in dataclasses.fields(SpeculativeConfig)
@@ -133,32 +113,32 @@ def build_vllm_config(model_dir: Path, geo: Geometry) -> VllmConfig:
         model_config=mc,
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
-            max_num_batched_tokens=geo.token_budget,
+            max_num_batched_tokens=geo.budget,
             max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
             watermark=0.0,
         ),
         cache_config=CacheConfig(
-            block_size=geo.block_size,
+            block_size=geo.block,
             enable_prefix_caching=True,
             mamba_cache_mode="align",
             prefix_match_unit=geo.unit,
-            **(fix_switches() if geo.predecessor_checkpoint else {}),
+            **(fix_switches() if fix else {}),
         ),
         speculative_config=spec,
     )
 
 
-def kv_cache_config(geo: Geometry) -> KVCacheConfig:
+def kv_cache_config(geo: Geometry, num_blocks: int) -> KVCacheConfig:
     return KVCacheConfig(
-        num_blocks=geo.num_blocks,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
                 ["attn"],
                 FullAttentionSpec(
-                    block_size=geo.block_size,
+                    block_size=geo.block,
                     num_kv_heads=1,
                     head_size=1,
                     dtype=torch.float32,
@@ -167,7 +147,7 @@ def kv_cache_config(geo: Geometry) -> KVCacheConfig:
             KVCacheGroupSpec(
                 ["gdn"],
                 MambaSpec(
-                    block_size=geo.block_size,
+                    block_size=geo.block,
                     shapes=((1, 1),),
                     dtypes=(torch.float32,),
                     mamba_cache_mode="align",
@@ -224,30 +204,40 @@ class ResumeRecord:
 class SchedulerRig:
     """One real Scheduler over a hybrid cache, prompts in, simulated tokens out."""
 
-    def __init__(self, model_dir: Path, geo: Geometry) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        geo: Geometry,
+        *,
+        num_blocks: int = 4096,
+        fix: bool = False,
+        lookahead_hashes: bool = True,
+    ) -> None:
+        """``fix`` turns on fix-eagle-fine-prefix's switch (only the patched tree has it);
+        ``lookahead_hashes=False``: releases after 0.32.0 with their legacy hashing."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         init_none_hash(sha256)
         self.geo = geo
-        self.vllm_config = build_vllm_config(model_dir, geo)
-        self.kv_cache_config = kv_cache_config(geo)
+        self.vllm_config = build_vllm_config(model_dir, geo, fix, lookahead_hashes)
+        self.kv_cache_config = kv_cache_config(geo, num_blocks)
         if geo.num_spec and hasattr(self.vllm_config, "num_hash_lookahead_tokens"):
             # From 0.33.0 only groups flagged here count as EAGLE groups once
             # lookahead hashes clear the drop; the engine's KV-cache planning
             # flags the group holding the MTP draft layer, i.e. full attention.
             self.kv_cache_config.kv_cache_groups[FULL_GROUP].is_eagle_group = True
-        self.vllm_config.cache_config.num_gpu_blocks = geo.num_blocks
+        self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         register_all_kvcache_specs(self.vllm_config)
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=geo.block_size,
+            block_size=geo.block,
             hash_block_size=geo.unit,
             log_stats=True,
         )
         self.manager = self.scheduler.kv_cache_manager
         self.coordinator = self.manager.coordinator
-        self.oracle = StateOracle(geo.block_size)
+        self.oracle = StateOracle(geo.block)
         # Releases after 0.32.0 hash each unit together with the tokens the drafter
         # reads past it (lookahead hashes); the engine builds its hasher so.
         lookahead = getattr(self.vllm_config, "num_hash_lookahead_tokens", 0)
@@ -377,7 +367,7 @@ class SchedulerRig:
         prefix = None
         if hit:
             mamba_ids = self.manager.get_block_ids(req.request_id)[MAMBA_GROUP]
-            prefix = self.oracle.prefix_of_block.get(mamba_ids[(hit - 1) // self.geo.block_size])
+            prefix = self.oracle.prefix_of_block.get(mamba_ids[(hit - 1) // self.geo.block])
         return ResumeRecord(req.request_id, hit, prefix)
 
     @staticmethod
@@ -391,7 +381,7 @@ class SchedulerRig:
             {
                 n
                 for rid, g, n in self.partial_entries
-                if rid == request_id and g == group and n % self.geo.block_size
+                if rid == request_id and g == group and n % self.geo.block
             }
         )
 
@@ -417,14 +407,9 @@ def run_pair(
     """``run_case`` for prompts other than the grid's: the case gives the cache geometry."""
     rig = SchedulerRig(
         model_dir,
-        Geometry(
-            block_size=case.block,
-            unit=case.unit,
-            num_spec=case.num_spec,
-            token_budget=case.budget,
-            predecessor_checkpoint=fix,
-            lookahead_hashes=lookahead_hashes,
-        ),
+        case.geometry,
+        fix=fix,
+        lookahead_hashes=lookahead_hashes,
     )
     a = rig.run(a_tokens)
     bounds = rig.boundaries(b_tokens)

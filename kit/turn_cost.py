@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kit import bench, mods, trees
+from kit.geometry_model import UNIT
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = bench.TREES
@@ -72,7 +73,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
         mamba_ssm_cache_dtype=bench.CPU_SSM_CACHE_DTYPE,
         enable_prefix_caching=True,
         mamba_cache_mode="align",
-        prefix_match_unit=16,
+        prefix_match_unit=UNIT,
         skip_tokenizer_init=True,
         gpu_memory_utilization=0.3,
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_model import Case
+from kit.geometry_model import Case, Geometry
 from kit.loss_sweep import random_cases, sweep
 from kit.regress import eagle_specific_loss, verdict
 
@@ -12,26 +12,28 @@ pytestmark = pytest.mark.cpu
 
 
 def test_no_speculation_has_no_eagle_loss() -> None:
-    assert eagle_specific_loss(Case(64, 16, 0, 64, 40), hit=64, hit_without_spec=64) is None
+    assert (
+        eagle_specific_loss(Case(Geometry(64, 16, 0), 64, 40), hit=64, hit_without_spec=64) is None
+    )
 
 
 def test_loss_beyond_the_unit_eagle_is_entitled_to() -> None:
     # B64-boundary-S64-r0, U = 40: 64 without speculation, 0 with it.
-    case = Case(64, 16, 1, 64, 40)
+    case = Case(Geometry(64, 16, 1), 64, 40)
     assert eagle_specific_loss(case, hit=0, hit_without_spec=64) == 48
     assert eagle_specific_loss(case, hit=48, hit_without_spec=64) == 0
 
 
 def test_a_miss_without_speculation_is_not_eagle_s_fault() -> None:
-    assert eagle_specific_loss(Case(64, 16, 3, 167, 40), hit=0, hit_without_spec=0) == 0
+    assert eagle_specific_loss(Case(Geometry(64, 16, 3), 167, 40), hit=0, hit_without_spec=0) == 0
 
 
 def test_lookahead_hashes_entitle_eagle_to_the_last_proven_boundary() -> None:
     # S = 167 (S mod H = 7): lookahead hashes reach 160 like the plain server, no unit lost.
-    probe = Case(64, 16, 1, 167, 1)
+    probe = Case(Geometry(64, 16, 1), 167, 1)
     assert eagle_specific_loss(probe, hit=160, hit_without_spec=160, lookahead=1) == 0
     # Block-aligned S = 64: the key of unit 48..64 needs token 64, so 48 is the most.
-    aligned = Case(64, 16, 1, 64, 20)
+    aligned = Case(Geometry(64, 16, 1), 64, 20)
     assert eagle_specific_loss(aligned, hit=0, hit_without_spec=64, lookahead=1) == 48
     assert eagle_specific_loss(aligned, hit=48, hit_without_spec=64, lookahead=1) == 0
 
@@ -39,10 +41,10 @@ def test_lookahead_hashes_entitle_eagle_to_the_last_proven_boundary() -> None:
 def test_verdict_tells_an_improvement_short_of_the_ideal_from_a_fix() -> None:
     # B384-beyond-S544-r0, U = 40: 0 unpatched, 368 patched (the state without
     # speculation allows 384 - 16); the ideal 528 needs a state nobody keeps.
-    case = Case(384, 16, 1, 544, 40)
+    case = Case(Geometry(384, 16, 1), 544, 40)
     assert verdict(case, unpatched=0, patched=368) == "better"
     # B64-boundary-S64-r0, U = 40: 0 unpatched, 48 = the ideal patched.
-    assert verdict(Case(64, 16, 1, 64, 40), unpatched=0, patched=48) == "fixed"
+    assert verdict(Case(Geometry(64, 16, 1), 64, 40), unpatched=0, patched=48) == "fixed"
     # A result the geometry model does not predict is never dressed up.
     assert verdict(case, unpatched=0, patched=384) == "UNEXPECTED"
 

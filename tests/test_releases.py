@@ -17,7 +17,7 @@ import pytest
 
 from kit import release_report, releases
 from kit.geometry_cases import all_cases
-from kit.geometry_model import Case, expected, lookahead_ideal
+from kit.geometry_model import Case, Geometry, expected, lookahead_ideal
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,9 +37,9 @@ def test_unknown_release_is_refused_with_what_to_do() -> None:
 
 def test_lookahead_ideal() -> None:
     # One lookahead token, nothing dropped: the last boundary B shares with its next token.
-    assert lookahead_ideal(Case(64, 16, 1, 1007, 1), 1) == 992
-    assert lookahead_ideal(Case(64, 16, 1, 1008, 1), 1) == 992
-    assert lookahead_ideal(Case(64, 16, 0, 1008, 1), 0) == 1008
+    assert lookahead_ideal(Case(Geometry(64, 16, 1), 1007, 1), 1) == 992
+    assert lookahead_ideal(Case(Geometry(64, 16, 1), 1008, 1), 1) == 992
+    assert lookahead_ideal(Case(Geometry(64, 16, 0), 1008, 1), 0) == 1008
 
 
 def test_lookahead_model_reproduces_the_measured_0_33_facts() -> None:
@@ -47,7 +47,7 @@ def test_lookahead_model_reproduces_the_measured_0_33_facts() -> None:
     2144, one-token probe): S = 4992 resumes at 4288, block-aligned S = 4288 at 0;
     the lookahead fix resumes one unit below S."""
     for shared, unpatched, patched in ((4992, 4288, 4976), (4288, 0, 4272), (4991, 4976, 4976)):
-        case = Case(2144, 16, 1, shared, 1)
+        case = Case(Geometry(2144, 16, 1), shared, 1)
         assert expected(case, patched=False, lookahead=1).hit == unpatched, shared
         assert expected(case, patched=True, lookahead=1).hit == patched, shared
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_cases import BLOCKS, NUM_SPEC, UNIT
+from kit.geometry_cases import BLOCKS, NUM_SPEC
+from kit.geometry_model import UNIT, Geometry
 from kit.mods import load_mod
-from kit.sched_harness import Geometry, SchedulerRig, cache_geometry
+from kit.sched_harness import SchedulerRig, cache_geometry
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
@@ -23,7 +24,8 @@ FP32 = 4
 def test_geometry_as_configured(tiny_model_dir, block: int, num_spec: int) -> None:
     rig = SchedulerRig(
         tiny_model_dir,
-        Geometry(block_size=block, unit=UNIT, num_spec=num_spec, num_blocks=NUM_BLOCKS),
+        Geometry(block, UNIT, num_spec),
+        num_blocks=NUM_BLOCKS,
     )
     assert cache_geometry(rig) == {
         "scheduler_block_size": block,

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_model import prompt_checkpoint
-from kit.sched_harness import FULL_GROUP, MAMBA_GROUP, Geometry, SchedulerRig
+from kit.geometry_model import UNIT, Geometry, prompt_checkpoint
+from kit.sched_harness import FULL_GROUP, MAMBA_GROUP, SchedulerRig
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
-UNIT = 16
 REPLY_TOKENS = 6
 
 
-def geometry(block: int, num_spec: int, fix: bool) -> Geometry:
-    return Geometry(block_size=block, unit=UNIT, num_spec=num_spec, predecessor_checkpoint=fix)
+def rig_for(model_dir, block: int, num_spec: int, fix: bool) -> SchedulerRig:
+    return SchedulerRig(model_dir, Geometry(block, UNIT, num_spec), fix=fix)
 
 
 def continuation_hit(prev_prompt_len: int, eagle: bool) -> int:
@@ -40,7 +39,7 @@ def converse(rig: SchedulerRig, system_len: int, turns: int, user_len: int):
 def test_four_turns(tiny_model_dir, tree_is_patched, num_spec: int, user_len: int) -> None:
     """Each turn appends the reply and a user message; every turn resumes at the last one's tail."""
     # 1000-token system prompt, replies and messages stay inside one 2144 block.
-    rig = SchedulerRig(tiny_model_dir, geometry(2144, num_spec, tree_is_patched))
+    rig = rig_for(tiny_model_dir, 2144, num_spec, tree_is_patched)
     records = converse(rig, system_len=1000, turns=4, user_len=user_len)
     assert records[0].hit == 0
     for prev, cur in zip(records, records[1:], strict=False):
@@ -54,7 +53,7 @@ def test_four_turns(tiny_model_dir, tree_is_patched, num_spec: int, user_len: in
 @pytest.mark.parametrize("prompt_len", [1000, 1007, 1023, 1024])
 def test_exact_resend(tiny_model_dir, tree_is_patched, num_spec: int, prompt_len: int) -> None:
     """An identical resend reads the producer's tail entries too; the fix must not cost it."""
-    rig = SchedulerRig(tiny_model_dir, geometry(2144, num_spec, tree_is_patched))
+    rig = rig_for(tiny_model_dir, 2144, num_spec, tree_is_patched)
     prompt = list(range(100, 100 + prompt_len))
     rig.run(prompt)
     resend = rig.run(prompt)
@@ -71,7 +70,7 @@ MAX_PARTIAL_ENTRIES_PER_PROMPT = 3
 @pytest.mark.parametrize("block", [384, 2144])
 def test_twenty_turns_bounded_metadata(tiny_model_dir, tree_is_patched, num_spec, block) -> None:
     """Partial entries per prompt stay within a constant however long the conversation grows."""
-    rig = SchedulerRig(tiny_model_dir, geometry(block, num_spec, tree_is_patched))
+    rig = rig_for(tiny_model_dir, block, num_spec, tree_is_patched)
     records = converse(rig, system_len=block - 300, turns=20, user_len=31)
     bound = MAX_PARTIAL_ENTRIES_PER_PROMPT if tree_is_patched else 1
     lengths = [len(r.prompt) for r in records]

@@ -51,7 +51,7 @@ def _assert_no_speculation_loss(case: Case, hit: int, fix: bool) -> None:
     # The k = 0 twin's hit from the model: each twin is a parameter of the same
     # test, where the real scheduler must reproduce that number.
     if fix and case.eagle:
-        plain = expected(replace(case, num_spec=0), patched=True).hit
+        plain = expected(case.without_speculation(), patched=True).hit
         assert eagle_specific_loss(case, hit, plain) <= 0, (hit, plain)
 
 

@@ -7,12 +7,10 @@ strict expected failures on the unpatched tree.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from kit.geometry_cases import all_cases
-from kit.geometry_model import Case, expected
+from kit.geometry_model import Case, Geometry, expected
 from kit.regress import eagle_specific_loss
 from kit.sched_harness import run_case
 
@@ -24,7 +22,7 @@ def _regressed(case: Case) -> bool:
 
 
 def _eagle_specific_loss_unpatched(case: Case) -> bool:
-    plain = expected(replace(case, num_spec=0), patched=False).hit
+    plain = expected(case.without_speculation(), patched=False).hit
     return (eagle_specific_loss(case, expected(case, patched=False).hit, plain) or 0) > 0
 
 
@@ -84,7 +82,7 @@ def test_speculation_costs_at_most_its_unit(
     """B under EAGLE resumes no lower than the same A and B without speculation, less H:
     the block-boundary predecessor state covers producer tails of any length."""
     _, _, b, _ = run_case(tiny_model_dir, case, fix=tree_is_patched)
-    _, _, plain, _ = run_case(tiny_model_dir, replace(case, num_spec=0), fix=tree_is_patched)
+    _, _, plain, _ = run_case(tiny_model_dir, case.without_speculation(), fix=tree_is_patched)
     assert b.resumed_from_own_prefix()
     assert eagle_specific_loss(case, b.hit, plain.hit) <= 0, (b.hit, plain.hit)
 
@@ -109,7 +107,7 @@ def test_patched_tree_with_switch_off_is_unpatched(
 # (B_phys 2048, max_num_batched_tokens 2048, MTP k = 1, the "." probe).
 BUDGET_CASES = [
     pytest.param(
-        Case(block, 16, k, shared, tail, budget=budget),
+        Case(Geometry(block, 16, k, budget=budget), shared, tail),
         id=f"B{block}-budget{budget}-S{shared}-k{k}-U{tail}",
     )
     for block, budget, shared_list in (

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_model import Case
-from kit.sched_harness import Geometry, SchedulerRig, run_case
+from kit.geometry_model import Case, Geometry
+from kit.sched_harness import SchedulerRig, run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
@@ -29,7 +29,7 @@ def _prompt(n: int) -> list[int]:
 
 
 def test_multi_module_mtp_is_what_runs(tiny_multi_mtp_dir) -> None:
-    rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(block_size=64, unit=16, num_spec=3))
+    rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(64, 16, 3))
     assert rig.vllm_config.speculative_config.use_multi_module_mtp()
     assert rig.vllm_config.num_prefill_lookahead_tokens == 3
 
@@ -37,21 +37,21 @@ def test_multi_module_mtp_is_what_runs(tiny_multi_mtp_dir) -> None:
 @pytest.mark.xfail(strict=True, raises=RuntimeError, reason=LIVELOCK)
 @pytest.mark.parametrize("length", [129, 130, 193])
 def test_prompt_just_past_a_block_boundary_finishes(tiny_multi_mtp_dir, length: int) -> None:
-    rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(block_size=64, unit=16, num_spec=3))
+    rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(64, 16, 3))
     rig.run(_prompt(length))
 
 
 @pytest.mark.parametrize("length", [128, 131, 200])
 def test_other_prompts_finish(tiny_multi_mtp_dir, length: int) -> None:
-    rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(block_size=64, unit=16, num_spec=3))
+    rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(64, 16, 3))
     record = rig.run(_prompt(length))
     assert rig.chunk_ends[record.request_id][-1] == length
 
 
 @pytest.mark.parametrize(
     "case",
-    [Case(64, 16, 3, s, u) for s in (160, 167, 175) for u in (1, 20)]
-    + [Case(384, 16, 3, s, u) for s in (160, 543) for u in (1, 20)],
+    [Case(Geometry(64, 16, 3), s, u) for s in (160, 167, 175) for u in (1, 20)]
+    + [Case(Geometry(384, 16, 3), s, u) for s in (160, 543) for u in (1, 20)],
     ids=lambda c: f"B{c.block}-S{c.shared}-U{c.tail}",
 )
 def test_follow_up_never_resumes_from_a_stale_state(

@@ -15,11 +15,10 @@ never loses.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 
 import pytest
 
-from kit.geometry_model import Case, expected
+from kit.geometry_model import Case, Geometry, expected
 from kit.loss_sweep import earlier_block_state
 from kit.regress import eagle_specific_loss
 from kit.sched_harness import run_case
@@ -36,12 +35,9 @@ def _cases(count: int = 80) -> list:
         block = rng.choice((64, 128, 384))
         unit = rng.choice((16, 32))
         case = Case(
-            block,
-            unit,
-            1,
+            Geometry(block, unit, 1, budget=rng.choice((8192, block, 2 * block))),
             shared=rng.randrange(1, 4 * block),
             tail=rng.randrange(1, 3 * block),
-            budget=rng.choice((8192, block, 2 * block)),
         )
         case_id = f"B{block}-H{unit}-S{case.shared}-U{case.tail}-budget{case.budget}"
         out.append(pytest.param(case, id=case_id))
@@ -55,8 +51,8 @@ def test_random_geometry(tiny_model_dir, tree_is_patched: bool, case: Case) -> N
     assert rig.chunk_ends[a.request_id] == list(want.chunk_ends)
     assert (bounds.fa_match, b.hit) == (want.fa_match, want.hit)
     assert b.resumed_from_own_prefix()
-    _, _, plain, _ = run_case(tiny_model_dir, replace(case, num_spec=0), fix=tree_is_patched)
-    assert plain.hit == expected(replace(case, num_spec=0), patched=tree_is_patched).hit
+    _, _, plain, _ = run_case(tiny_model_dir, case.without_speculation(), fix=tree_is_patched)
+    assert plain.hit == expected(case.without_speculation(), patched=tree_is_patched).hit
     if tree_is_patched and eagle_specific_loss(case, b.hit, plain.hit) > 0:
         assert case.budget < case.producer_len, "a one-step prefill lost to speculation"
         assert earlier_block_state(case, plain.hit, want.chunk_ends), (b.hit, plain.hit)

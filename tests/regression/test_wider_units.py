@@ -9,11 +9,9 @@ U in {1, H + 4, 2H + 8}.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
-from kit.geometry_model import Case, expected
+from kit.geometry_model import Case, Geometry, expected
 from kit.regress import eagle_specific_loss
 from kit.sched_harness import run_case
 
@@ -33,7 +31,7 @@ def _cases() -> list:
                 for r in (0, unit // 2 - 1, unit - 1):
                     for k in (0, 1, 3):
                         for tail in (1, unit + 4, 2 * unit + 8):
-                            case = Case(block, unit, k, anchor + r, tail)
+                            case = Case(Geometry(block, unit, k), anchor + r, tail)
                             case_id = f"H{unit}-B{block}-{where}-S{case.shared}-k{k}-U{tail}"
                             out.append(pytest.param(case, id=case_id))
     return out
@@ -58,5 +56,5 @@ def test_wider_unit_matches_geometry(tiny_model_dir, tree_is_patched: bool, case
     # The k = 0 twin's hit from the model, which its own parameter checks on the
     # real scheduler.
     if tree_is_patched and case.eagle and case.unit < case.block:
-        plain = expected(replace(case, num_spec=0), patched=True).hit
+        plain = expected(case.without_speculation(), patched=True).hit
         assert eagle_specific_loss(case, b.hit, plain) <= 0, (b.hit, plain)
