@@ -1,9 +1,9 @@
-"""Inside an image build: finish a stage — apply its mods, then record provenance.
+"""Inside an image build: finish a stage — apply its mods, then write the image record.
 
 Finds the installed vLLM without importing it (an import can initialise a GPU),
 applies the mods the target's stage gets with the mod engine (a mod that no
 longer applies fails the build here, never the benchmark), and writes
-/opt/kit/provenance.json: target, stage, vLLM version and commit, the arch list
+/opt/kit/image.json (the image record): target, stage, vLLM version and commit, the arch list
 the image was built for, the mods with their patch hashes, and the pin file hash.
 """
 
@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from kit import mods, pins, trees
+from kit import bundle, mods, pins, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--target", choices=mods.TARGETS, required=True)
     parser.add_argument("--stage", choices=("unpatched", "patched"), required=True)
-    parser.add_argument("--out", type=Path, default=ROOT / "provenance.json")
+    parser.add_argument("--out", type=Path, default=ROOT / bundle.IMAGE_RECORD)
     args = parser.parse_args(argv)
     tree = trees.installed().package
     release, _ = mods.tree_version(tree)

@@ -11,7 +11,7 @@ sides on the host. Writes into ``--out``:
   patched side with the fix's switch on;
 - ``upstream-<stage>.xml`` / ``.log``: vLLM's ``tests/v1/core/prefix_cache``
   from the pinned sdist, when ``--upstream-tests`` names the unpacked tests;
-- ``provenance.json``: the image's record of vLLM, mods and pins.
+- ``image.json``: the image's record of vLLM, mods and pins (``kit.image_stage``).
 
 Prints each step's exit status as JSON; exits 1 when the kit's own steps failed.
 """
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kit import trees, upstream_suite
+from kit import bundle, trees, upstream_suite
 from kit.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         # pytest exits 1 on any failed case; the host compares the sides case by case.
         status["upstream_suite"] = proc.wait()
-    provenance = ROOT / "provenance.json"
-    if provenance.is_file():
-        shutil.copy(provenance, args.out / "provenance.json")
+    record = ROOT / bundle.IMAGE_RECORD
+    if record.is_file():
+        shutil.copy(record, args.out / bundle.IMAGE_RECORD)
     print(json.dumps(status))
     failed = {k: v for k, v in status.items() if k != "upstream_suite" and v != 0}
     return 1 if failed else 0

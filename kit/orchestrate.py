@@ -12,7 +12,7 @@ Steps, each stopping early with the fix when something is missing:
   5. the TTFT comparison: one server per image plus a client container, all on
      an isolated network that reaches nothing else (proof that nothing is
      fetched at run time), interleaved A B / B A as in ``kit.bench``;
-  6. the bundle ``results/<date>-<target>-<id>/`` with ``provenance.json``.
+  6. the bundle ``results/<date>-<target>-<id>/`` (``kit.bundle``) with ``manifest.json``.
 
 Every container, server and network the run starts is removed when it ends,
 fails or is interrupted (Ctrl-C, SIGTERM).
@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kit import (
     buildah_build,
+    bundle,
     hostcheck,
     images,
     models,
@@ -50,6 +51,7 @@ from kit.containers import (
     Mount,
     engine_for,
 )
+from kit.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = images.STAGES
@@ -58,6 +60,7 @@ MIN_FREE_DISK_GIB = {"cpu": 12, "gb10": 120, "strix": 150}
 IN_IMAGE_OUT = "/out"
 IN_IMAGE_MODELS = "/models"
 IN_IMAGE_UPSTREAM = "/upstream-tests"
+IN_IMAGE_TINY = "/tiny-model"
 
 
 class OrchestrateError(RuntimeError):
@@ -166,12 +169,12 @@ def bench_model(target: str, key: str | None, store: Path) -> models.Entry | Non
 # 4. suites inside both images -------------------------------------------------------
 
 
-def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: Path) -> dict:
+def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path) -> dict:
     spec = RUN_SPECS[target]  # network cut off
     outs = {}
     boxes = {}
     for stage in STAGES:
-        outs[stage] = _writable(bundle / "suites" / stage)
+        outs[stage] = _writable(bundle.suite_dir(out, stage))
         command = ["python", "-m", "kit.image_suites", "--stage", stage]
         command += ["--out", IN_IMAGE_OUT, "--upstream-tests", IN_IMAGE_UPSTREAM]
         mounts = (
@@ -190,8 +193,8 @@ def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: P
         for stage, code in codes.items()
         if code != 0
     ]
-    provenance = {s: _read_json(outs[s] / "provenance.json") for s in STAGES}
-    measured = {s: _read_json(outs[s] / "regress.json") for s in STAGES}
+    records = {s: bundle.read_json(outs[s] / bundle.IMAGE_RECORD) for s in STAGES}
+    measured = {s: bundle.read_json(outs[s] / "regress.json") for s in STAGES}
     summary: dict = {
         "regression_suite": {
             s: upstream_suite.counts(outs[s] / "regression-suite.xml") for s in STAGES
@@ -199,22 +202,21 @@ def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: P
     }
     if all(measured.values()):
         for stage in STAGES:
-            measured[stage]["provenance"] = provenance[stage]
+            measured[stage]["provenance"] = records[stage]
         table = regress.build_report(measured["unpatched"], measured["patched"])
-        out = bundle / "regression"
-        out.mkdir(exist_ok=True)
-        (out / "regression.json").write_text(json.dumps(table, indent=1) + "\n")
-        (out / "regression.md").write_text(regress.render_markdown(table))
+        where = bundle.write_regression(
+            out / bundle.REGRESSION, table, regress.render_markdown(table)
+        )
         summary["regression_table"] = table["summary"]
         bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(table["summary"])
         if bad or not table["geometry_identical"]:
-            problems.append(f"regression table: {table['summary']}; see {out}")
+            problems.append(f"regression table: {table['summary']}; see {where}")
     junits = {s: outs[s] / f"upstream-{s}.xml" for s in STAGES}
     if all(j.is_file() for j in junits.values()):
         report, verdict, ok = upstream_suite.compare(
             {s: upstream_suite.outcomes(j) for s, j in junits.items()}
         )
-        (bundle / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
+        bundle.write_json(out / bundle.UPSTREAM, report)
         summary["upstream_suite"] = report["summary"]
         log("vLLM prefix suite:\n" + verdict)
         if not ok:
@@ -226,7 +228,7 @@ def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: P
         problems.append(f"unpatched image: no regression case failed ({unpatched_suite})")
     if problems:
         raise OrchestrateError("\n".join(problems))
-    return {"summary": summary, "image_provenance": provenance}
+    return {"summary": summary, "image_records": records}
 
 
 # 5. the TTFT comparison ----------------------------------------------------------
@@ -235,17 +237,25 @@ def run_suites(engine, found: dict, target: str, bundle: Path, upstream_tests: P
 def bench_args(plan: argparse.Namespace, model: models.Entry | None) -> list[str]:
     args = ["--target", plan.target]
     if model is not None:
-        args += ["--locked-model", model.key, "--store", IN_IMAGE_MODELS]
-    return args
+        return args + ["--locked-model", model.key, "--store", IN_IMAGE_MODELS]
+    return args + ["--tiny-model", IN_IMAGE_TINY]
 
 
-def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict]:
-    """Returns the client's exit status and what the manifest records of the run."""
+def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
+    """Returns the client's exit status and the commands the manifest records.
+
+    The cpu target's tiny model is written here once and mounted read-only into
+    both servers and the client: the client hashes the very files the servers
+    load into the bundle."""
     spec = RUN_SPECS[plan.target]
-    mounts = (Mount(str(plan.store), IN_IMAGE_MODELS),) if model is not None else ()
+    if model is not None:
+        mounts: tuple[Mount, ...] = (Mount(str(plan.store), IN_IMAGE_MODELS),)
+    else:
+        tiny = write_tiny_model(ROOT / ".models" / bundle.TINY_MODEL, weights=True)
+        mounts = (Mount(str(tiny), IN_IMAGE_TINY),)
     commands = {}
-    _writable(bundle)
-    logs = bundle / "logs"
+    _writable(out)
+    logs = out / bundle.LOGS
     logs.mkdir(exist_ok=True)
     with engine.network() as net:
         servers = {}
@@ -271,7 +281,7 @@ def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict
             client,
             spec,
             f"{net.name}-client",
-            (*mounts, Mount(str(bundle), IN_IMAGE_OUT, writable=True)),
+            (*mounts, Mount(str(out), IN_IMAGE_OUT, writable=True)),
             net,
         )
         try:
@@ -281,17 +291,7 @@ def run_bench(engine, found: dict, plan, model, bundle: Path) -> tuple[int, dict
             for stage, server in servers.items():
                 server.stop()
                 (logs / f"server-{stage}.log").write_text(server.logs())
-    weights = {stage: _weights_line(logs / f"server-{stage}.log") for stage in STAGES}
-    if model is None and len(set(weights.values())) != 1:
-        raise OrchestrateError(f"the two images served different tiny weights: {weights}")
-    return code, {"commands": commands, "tiny_weights_sha256": weights}
-
-
-def _weights_line(server_log: Path) -> str | None:
-    for line in server_log.read_text(errors="replace").splitlines():
-        if line.startswith("tiny model weights sha256 "):
-            return line.split()[-1]
-    return None
+    return code, {"commands": commands}
 
 
 def _watch(client, servers: dict) -> int:
@@ -316,23 +316,8 @@ def _writable(path: Path) -> Path:
     return path
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def kit_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return done.stdout.strip() + ("-dirty" if dirty else "")
-
-
 def manifest(plan, engine, host: dict, found: dict, suites: dict, model, bench: dict) -> dict:
-    image_prov = suites.get("image_provenance", {})
+    records = suites.get("image_records", {})
     return {
         "target": plan.target,
         "flow": "tests only" if plan.tests_only else "tests and TTFT comparison",
@@ -345,20 +330,20 @@ def manifest(plan, engine, host: dict, found: dict, suites: dict, model, bench: 
                 "reused": info["reused"],
                 "built_from_these_sources": info["built_from_these_sources"],
                 "labels": info["labels"],
-                "provenance": image_prov.get(stage, {}),
+                "record": records.get(stage, {}),
             }
             for stage, info in found.items()
         },
         "vllm": {
             key: pins.vllm_pins(plan.vllm)[key] for key in ("version", "commit", "commit_abbrev")
         },
-        "mods": image_prov.get("patched", {}).get("mods", []),
+        "mods": records.get("patched", {}).get("mods", []),
         "pins_sha256": pins.file_sha256(),
         "models_lock_sha256": pins.file_sha256(models.LOCK),
         "model": {"key": model.key, **model.fields}
         if model
-        else {"tiny_weights_sha256": bench.get("tiny_weights_sha256")},
-        "kit_commit": kit_commit(),
+        else {"tiny": "kit/tiny_model.py, the bench's weights_sha256 in bench.json"},
+        "kit_commit": bundle.kit_commit(),
         "kit_source_sha256": images.source_sha256(),
         "suites": suites.get("summary", {}),
         "commands": {
@@ -385,8 +370,7 @@ def run(plan: argparse.Namespace) -> Path:
             f"NODES={plan.nodes}: multi-node runs are planned, not built; see README "
             "'Plan: two DGX Sparks'"
         )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    bundle = plan.out or ROOT / "results" / f"{stamp}-{plan.target}-{os.urandom(3).hex()}"
+    out = plan.out or bundle.new_path(plan.target)
     log(f"host check ({plan.target})")
     host = check_host(plan.target, ROOT)
     model = bench_model(plan.target, plan.model, plan.store)
@@ -400,31 +384,39 @@ def run(plan: argparse.Namespace) -> Path:
         upstream_tests = upstream_suite.extract_tests(sdists.pinned())
     with engine_for(plan.engine, plan.target) as engine:
         found = ensure_images(engine, plan.target, plan)
-        bundle.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
         suites, bench, code = {}, {}, 0
         try:
-            suites = run_suites(engine, found, plan.target, bundle, upstream_tests)
+            suites = run_suites(engine, found, plan.target, out, upstream_tests)
             log(f"suites: {json.dumps(suites['summary'])}")
             if not plan.tests_only:
-                code, bench = run_bench(engine, found, plan, model, bundle)
+                code, bench = run_bench(engine, found, plan, model, out)
+                attach_image_records(out, suites.get("image_records", {}))
         finally:
-            data = manifest(plan, engine, host, found, suites, model, bench)
-            (bundle / "provenance.json").write_text(json.dumps(data, indent=1) + "\n")
+            bundle.write_manifest(out, manifest(plan, engine, host, found, suites, model, bench))
     if code != 0:
-        found_problems = []
-        if (bundle / "bench.json").is_file():
-            found_problems = _read_json(bundle / "bench.json").get("failures", [])
+        found_problems = bundle.read_json(out / bundle.BENCH).get("failures", [])
         raise OrchestrateError(
-            f"the TTFT client exited {code}; see {bundle / 'logs' / 'bench-client.log'}"
+            f"the TTFT client exited {code}; see {out / bundle.LOGS / 'bench-client.log'}"
             + "".join(f"\n  {line}" for line in found_problems)
         )
     if not plan.tests_only:
-        oracle = _read_json(bundle / "bench.json").get("oracle", {})
+        oracle = bundle.read_json(out / bundle.BENCH).get("oracle", {})
         log(
             f"correctness oracle: verdicts {oracle.get('verdicts')}; max |first-position "
             f"log-prob diff| {oracle.get('max_first_logprob_diff')}"
         )
-    return bundle
+    return out
+
+
+def attach_image_records(out: Path, records: dict) -> None:
+    """The client ran in one image and saw neither server's vllm: the bench record
+    gets both images' records, as a bench started on the host gets its trees'."""
+    report = bundle.read_json(out / bundle.BENCH)
+    if report:
+        report["run"]["trees"] = {stage: record for stage, record in records.items()}
+        report["run"]["trees_from"] = "the images' records (suites/<stage>/image.json)"
+        bundle.write_json(out / bundle.BENCH, report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -465,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.out = plan.out.resolve() if plan.out else None
     previous = _interrupt_on_sigterm()
     try:
-        bundle = run(plan)
+        out = run(plan)
     except (
         OrchestrateError,
         EngineUnavailable,
@@ -485,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    log(f"bundle: {bundle}  (render with: make report BUNDLES={bundle})")
+    log(f"bundle: {out}  (render with: make report BUNDLES={out})")
     return 0
 
 

@@ -17,7 +17,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from kit import pins, trees
+from kit import bundle, pins, trees
 from kit.geometry_cases import all_cases
 from kit.geometry_model import Case, expected, lookahead_ideal
 
@@ -253,9 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         unpatched = measure_on(trees.pinned("unpatched"), model_dir, fix=False)
         patched = measure_on(trees.pinned("patched"), model_dir, fix=True)
     report = build_report(unpatched, patched)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "regression.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out_dir / "regression.md").write_text(render_markdown(report))
+    bundle.write_regression(args.out_dir, report, render_markdown(report))
     if not args.quiet:
         print(tabulate([[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS))
     print(f"summary: {report['summary']}  geometry identical: {report['geometry_identical']}")

@@ -21,13 +21,12 @@ prefix) fails the run. Results: ``results/regression/<release>/regression.{json,
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
-from kit import pins, releases
+from kit import bundle, pins, releases
 from kit.geometry_cases import all_cases
 from kit.geometry_model import Case, expected, lookahead_ideal
 from kit.regress import eagle_specific_loss, loss_totals, measure_on, without_speculation
@@ -134,10 +133,8 @@ def run(version: str, quiet: bool = False, out_root: Path | None = None) -> int:
                 measured[(stage, mode)] = _measure(version, stage, mode, model_dir)
     report = build(version, measured)
     out_dir = (out_root or ROOT / "results" / "regression") / version
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "regression.json").write_text(json.dumps(report, indent=1) + "\n")
     text = render(report)
-    (out_dir / "regression.md").write_text(text)
+    bundle.write_regression(out_dir, report, text)
     if not quiet:
         print(text)
     print(f"summary: {report['summary']}")

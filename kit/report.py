@@ -2,44 +2,19 @@
 
 A bundle is a folder written by the bench (``bench.json`` inside). With two
 bundles the cached follow-up rows are set next to each other with their
-patched/unpatched ratios, and the provenance of both is listed.
+patched/unpatched ratios, and what each ran on (host, trees or images, mods) is listed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from tabulate import tabulate
 
-from kit.bench import table
-
-
-class BundleError(RuntimeError):
-    pass
-
-
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{path}: not valid JSON ({exc})") from exc
-
-
-def load(bundle: Path) -> dict:
-    path = bundle / "bench.json"
-    if not path.is_file():
-        raise BundleError(
-            f"{bundle}: no bench.json; pass a folder written by "
-            "'make bench' or 'make bench-<target>'"
-        )
-    report = _json(path)
-    # Bundles from the container flow also carry the run's manifest.
-    manifest = bundle / "provenance.json"
-    report["manifest"] = _json(manifest) if manifest.is_file() else None
-    return report
+from kit import bundle
+from kit.ttft_stats import table
 
 
 def manifest_lines(manifest: dict) -> list[str]:
@@ -51,7 +26,7 @@ def manifest_lines(manifest: dict) -> list[str]:
     for stage, image in manifest["images"].items():
         mods = ", ".join(
             f"{m['name']} ({m['patch_sha256'][:12]})"
-            for m in image.get("provenance", {}).get("mods", [])
+            for m in image.get("record", {}).get("mods", [])
         )
         lines.append(f"  - {stage} image {image['id'][:19]}: {mods or 'no mods'}")
     for suite, result in manifest.get("suites", {}).items():
@@ -59,8 +34,8 @@ def manifest_lines(manifest: dict) -> list[str]:
     return lines
 
 
-def provenance_lines(name: str, report: dict) -> list[str]:
-    prov = report["provenance"]
+def run_lines(name: str, report: dict) -> list[str]:
+    prov = report["run"]
     host = prov["host"]
     lines = [
         f"- **{name}**: {host.get('machine')} {host.get('cpu')}, {host.get('platform')}; "
@@ -76,7 +51,7 @@ def provenance_lines(name: str, report: dict) -> list[str]:
 
 
 def render(bundles: list[Path]) -> str:
-    reports = [(b.name, load(b)) for b in bundles]
+    reports = [(b.name, bundle.load(b)) for b in bundles]
     out = ["# Hybrid prefix-cache kit: results", ""]
     for name, report in reports:
         headers, body = table(report["summary"])
@@ -128,9 +103,9 @@ def render(bundles: list[Path]) -> str:
             ),
             "",
         ]
-    out += ["## Provenance", ""]
+    out += ["## What ran", ""]
     for name, report in reports:
-        out += provenance_lines(name, report)
+        out += run_lines(name, report)
     return "\n".join(out) + "\n"
 
 
@@ -143,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give one bundle, or two to compare")
     try:
         text = render(args.bundles)
-    except BundleError as exc:
+    except bundle.BundleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.out:

@@ -21,11 +21,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from kit import bench, mods, trees
+from kit import mods, serve_args, trees, ttft, ttft_stats
 from kit.geometry_model import UNIT
 
 ROOT = Path(__file__).resolve().parent.parent
-TREES = bench.TREES
+TREES = ttft.TREES
 
 
 def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
@@ -68,9 +68,9 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
         model=str(model),
         dtype="bfloat16",
         max_model_len=8192,
-        block_size=bench.CPU_BLOCK,
-        max_num_batched_tokens=bench.CPU_BATCHED_TOKENS,
-        mamba_ssm_cache_dtype=bench.CPU_SSM_CACHE_DTYPE,
+        block_size=serve_args.CPU_BLOCK,
+        max_num_batched_tokens=serve_args.CPU_BATCHED_TOKENS,
+        mamba_ssm_cache_dtype=serve_args.CPU_SSM_CACHE_DTYPE,
         enable_prefix_caching=True,
         mamba_cache_mode="align",
         prefix_match_unit=UNIT,
@@ -84,10 +84,10 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
     counts: dict[str, int] = defaultdict(int)
     _instrument(timings, counts)
     llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=bench.REPLY_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=ttft.REPLY_TOKENS, temperature=0.0, ignore_eos=True)
     out = []
     for rep in range(-1, reps):  # -1: warm-up, not recorded
-        prompt = bench.context(rep, shared, "conv") + [4000 + i for i in range(bench.TURN_LEN)]
+        prompt = ttft.context(rep, shared, "conv") + [4000 + i for i in range(ttft.TURN_LEN)]
         for turn in range(4):
             timings.clear()
             counts.clear()
@@ -108,7 +108,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
                     }
                 )
             reply = list(done.outputs[0].token_ids)
-            prompt = prompt + reply + [3000 + 50 * turn + i for i in range(bench.TURN_LEN)]
+            prompt = prompt + reply + [3000 + 50 * turn + i for i in range(ttft.TURN_LEN)]
     return out
 
 
@@ -132,7 +132,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                 vals = [r.get(key, 0) for r in rows if r["tree"] == tree and r["turn"] == turn]
                 per_tree[tree] = statistics.median(vals) if vals else 0
             line[key] = per_tree
-        line["ratio_wall"] = bench.paired_ratio([r for r in rows if r["turn"] == turn], "wall_s")
+        line["ratio_wall"] = ttft_stats.paired_ratio(
+            [r for r in rows if r["turn"] == turn], "wall_s"
+        )
         table.append(line)
     return table
 

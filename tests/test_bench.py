@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import bench, trees
-from kit.geometry_model import expected
+from kit import bench, serve_args, trees, ttft
+from kit.geometry_model import Geometry, expected
 from kit.openai_client import (
     MetricsError,
     RequestError,
@@ -97,9 +97,9 @@ def server(tmp_path_factory, tree: trees.Tree):
     from kit.tiny_model import write_tiny_model
 
     home = tmp_path_factory.mktemp("bench")
-    args = bench.cpu_serve_args(
-        write_tiny_model(home / "tiny", weights=True), bench.CPU_BLOCK, 16, 1
-    ) + bench.fix_flags("cpu")
+    args = serve_args.cpu_serve_args(
+        write_tiny_model(home / "tiny", weights=True), serve_args.CPU_BLOCK, 16, 1
+    ) + serve_args.fix_flags("cpu")
     with Server(
         "patched",
         args,
@@ -112,7 +112,7 @@ def server(tmp_path_factory, tree: trees.Tree):
     assert not srv.alive()  # stopped on exit
 
 
-GEO = {"block": bench.CPU_BLOCK, "unit": 16, "num_spec": 1, "budget": bench.CPU_BATCHED_TOKENS}
+GEO = Geometry(serve_args.CPU_BLOCK, 16, 1, serve_args.CPU_BATCHED_TOKENS)
 # The S = 1007 cached request, kept for the known-defect test (one server run).
 RESUMED: dict[int, dict] = {}
 
@@ -121,9 +121,9 @@ def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
     # The resolved block: the same on every CPU only because the SSM cache dtype is pinned.
     assert cache_config_info(server.url) == {"block": 2048, "unit": 16}
     shared = 1007  # S mod 16 = 15: the case the fix exists for
-    rows = bench.run_pair(server, "patched", rep=0, shared=shared, geo=GEO)
+    rows = ttft.run_pair(server, "patched", rep=0, shared=shared, geo=GEO)
     by_kind = {r["kind"]: r for r in rows}
-    want = bench.bench_case(GEO, shared)
+    want = ttft.bench_case(GEO, shared)
     want = expected(want, patched=True).hit
     assert want == 976
     cached = by_kind["cached_B"]
@@ -136,7 +136,7 @@ def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
 
 def test_cached_answer_equals_cold_beyond_the_first_block(server: Server) -> None:
     shared = 2159  # the fix's geometry again, resuming at 2128 in the third block
-    rows = bench.run_pair(server, "patched", rep=1, shared=shared, geo=GEO)
+    rows = ttft.run_pair(server, "patched", rep=1, shared=shared, geo=GEO)
     cached = next(r for r in rows if r["kind"] == "cached_B")
     assert cached["cached_tokens"] == 2128
     assert cached["oracle"]["verdict"] == "same", cached["oracle"]
@@ -152,8 +152,8 @@ def test_cached_answer_inside_the_first_block_equals_cold(server: Server) -> Non
 
 
 def test_request_that_does_not_hit_is_flagged(server: Server) -> None:
-    fresh = bench.context(rep=99, shared=500, salt="nohit")
-    row = bench.measure(server, "patched", fresh, "cached_B", expect=480, rep=0, shared=500)
+    fresh = ttft.context(rep=99, shared=500, salt="nohit")
+    row = ttft.measure(server, "patched", fresh, "cached_B", expect=480, rep=0, shared=500)
     assert row["cached_tokens"] == 0
     assert not row["hit_ok"]
 
@@ -165,5 +165,5 @@ def test_server_that_dies_mid_run(server: Server) -> None:
     os.killpg(server.process.pid, signal.SIGKILL)
     server.process.wait(timeout=60)
     with pytest.raises(RequestError):
-        complete(server.url, bench.SERVED_NAME, [100, 101, 102], 2, timeout=30)
+        complete(server.url, serve_args.SERVED_NAME, [100, 101, 102], 2, timeout=30)
     assert not server.alive()

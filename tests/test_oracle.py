@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kit import bench
+from kit import ttft_stats
 from kit.oracle import first_position_diff, judge
 
 pytestmark = pytest.mark.cpu
@@ -59,9 +59,9 @@ def test_failures_name_tree_s_and_repetition() -> None:
             "expected_cached": 928,
         },
     ]
-    lines = bench.failures(rows, distinct_cold=3)
+    lines = ttft_stats.failures(rows, distinct_cold=3)
     assert len(lines) == 2
     assert all("patched S=1007 rep=3" in line for line in lines)
-    assert bench.failures(rows[1:], distinct_cold=1) == [
+    assert ttft_stats.failures(rows[1:], distinct_cold=1) == [
         "ORACLE: every cold request got the same answer: it proves nothing"
     ]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kit import bundle as bundle_module
 from kit import report
 
 pytestmark = pytest.mark.cpu
@@ -37,12 +38,12 @@ def test_two_bundles_side_by_side(bundle: Path, tmp_path: Path) -> None:
 
 
 def test_not_a_bundle(tmp_path: Path) -> None:
-    with pytest.raises(report.BundleError, match="no bench.json"):
+    with pytest.raises(bundle_module.BundleError, match="no bench.json"):
         report.render([tmp_path])
     assert report.main([str(tmp_path)]) == 2
 
 
-FLOW_BUNDLES = sorted(p.parent for p in (ROOT / "results").glob("*/provenance.json"))
+FLOW_BUNDLES = sorted(p.parent for p in (ROOT / "results").glob("*/manifest.json"))
 
 
 def test_a_container_flow_bundle_renders_its_manifest() -> None:
