@@ -112,13 +112,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="whose patched-stage switches the patched server gets (default: %(default)s)",
     )
     parser.add_argument(
-        "--locked-model",
+        "--model",
         metavar="KEY",
         help="serve this models.lock entry (verified offline first) instead of "
         "the CPU default's tiny model; inside the gb10/strix images",
     )
     parser.add_argument(
-        "--tiny-model",
+        "--model-dir",
         type=Path,
         metavar="DIR",
         help="the CPU default's tiny model (config and weights) to serve, or, with "
@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--store",
         type=Path,
         default=models.DEFAULT_STORE,
-        help="model store for --locked-model (default: %(default)s)",
+        help="model store for --model (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     external = dict(item.split("=", 1) for item in args.server_url)
@@ -145,11 +145,11 @@ def serve_plan(args: argparse.Namespace) -> tuple[list[str], list[str], dict, in
     from kit.tiny_model import weights_sha256, write_tiny_model
 
     patched_extra = fix_flags(args.target)
-    if args.locked_model:
-        base, num_spec = locked_serve_args(args.locked_model, args.store, args.unit)
-        return base, patched_extra, {}, num_spec, {"locked": args.locked_model}
-    if args.tiny_model:
-        model_dir = args.tiny_model
+    if args.model:
+        base, num_spec = locked_serve_args(args.model, args.store, args.unit)
+        return base, patched_extra, {}, num_spec, {"locked": args.model}
+    if args.model_dir:
+        model_dir = args.model_dir
         if weights_sha256(model_dir) is None:
             raise models.VerifyError(f"{model_dir}: no tiny model weights; run 'make tiny-model'")
     elif args.serve_only:  # inside an image the kit's folder is read-only
@@ -259,11 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from kit.tiny_model import write_tiny_model
 
-    out = args.out or bundle.new_path(args.locked_model or "cpu")
+    out = args.out or bundle.new_path(args.model or "cpu")
     out.mkdir(parents=True, exist_ok=True)
-    if not args.locked_model:
+    if not args.model:
         write_tiny_model(out / bundle.TINY_MODEL)  # the config; the weights stay out
-    budget = LOCKED_BATCHED_TOKENS if args.locked_model else CPU_BATCHED_TOKENS
+    budget = LOCKED_BATCHED_TOKENS if args.model else CPU_BATCHED_TOKENS
     with ExitStack() as stack:
         servers = start_servers(stack, args, base, patched_extra, env, out)
         try:
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         except MeasureError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        if not args.locked_model and geo.block != args.block:
+        if not args.model and geo.block != args.block:
             print(
                 f"error: vLLM resolved the block to {geo.block} tokens, not the {args.block} "
                 "asked for (its Mamba page did not fit the attention page); the expected "

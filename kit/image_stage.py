@@ -41,7 +41,7 @@ def record(target: str, stage: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--target", choices=mods.TARGETS, required=True)
+    parser.add_argument("target", choices=mods.TARGETS)
     parser.add_argument("--stage", choices=("unpatched", "patched"), required=True)
     parser.add_argument("--out", type=Path, default=ROOT / bundle.IMAGE_RECORD)
     args = parser.parse_args(argv)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "tiny")
-        measure = [py, "-m", "kit.regress", "measure", "--model", str(model)]
+        measure = [py, "-m", "kit.regress", "measure", "--model-dir", str(model)]
         measure += ["--out", str(args.out / "regress.json")]
         measure += ["--fix"] if args.stage == "patched" else []
         status["regress_measure"] = _run(measure, args.out / "regress.log")

@@ -67,6 +67,10 @@ class OrchestrateError(RuntimeError):
     pass
 
 
+class PlanError(OrchestrateError):
+    """What was asked cannot be run here (exit 2, as for a bad argument)."""
+
+
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -89,7 +93,7 @@ def check_host(target: str, disk_path: Path, probe: hostcheck.Probe | None = Non
     )
     failed = [f for f in findings if not f.ok]
     if failed:
-        raise OrchestrateError(
+        raise PlanError(
             "host check failed:\n"
             + "\n".join(f"  {f.check}: {f.detail}\n    fix: {f.fix}" for f in failed)
         )
@@ -155,12 +159,12 @@ def bench_model(target: str, key: str | None, store: Path) -> models.Entry | Non
         if key is None:
             chosen = [e for e in chosen if e.fields.get("role") == "primary"]
         if len(chosen) != 1:
-            raise OrchestrateError(
+            raise PlanError(
                 f"{target}: {len(chosen)} enabled candidate models in models.lock; pass MODEL=<key>"
             )
         models.verify(chosen, store)
     except (models.LockError, models.VerifyError) as exc:
-        raise OrchestrateError(
+        raise PlanError(
             f"models: {exc}\n(on an offline box: 'make import-models MODELS_TAR=…')"
         ) from exc
     return chosen[0]
@@ -237,8 +241,8 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
 def bench_args(plan: argparse.Namespace, model: models.Entry | None) -> list[str]:
     args = ["--target", plan.target]
     if model is not None:
-        return args + ["--locked-model", model.key, "--store", IN_IMAGE_MODELS]
-    return args + ["--tiny-model", IN_IMAGE_TINY]
+        return args + ["--model", model.key, "--store", IN_IMAGE_MODELS]
+    return args + ["--model-dir", IN_IMAGE_TINY]
 
 
 def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
@@ -366,7 +370,7 @@ def _interrupt_on_sigterm() -> Callable:
 
 def run(plan: argparse.Namespace) -> Path:
     if plan.nodes != 1:
-        raise OrchestrateError(
+        raise PlanError(
             f"NODES={plan.nodes}: multi-node runs are planned, not built; see README "
             "'Plan: two DGX Sparks'"
         )
@@ -459,14 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(plan)
     except (
-        OrchestrateError,
+        PlanError,
         EngineUnavailable,
         mods.ModError,
         pins.PinError,
         releases.ReleaseError,
+        sdists.SdistError,
+    ) as exc:
+        # The run could not start as asked: a usage or environment problem.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (
+        OrchestrateError,
         buildah_build.BuildError,
         upstream_suite.SuiteError,
-        sdists.SdistError,
         subprocess.CalledProcessError,
         TimeoutError,
     ) as exc:

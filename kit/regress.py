@@ -55,7 +55,7 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
 def measure_on(tree: trees.Tree, model_dir: Path, fix: bool, legacy_hashes: bool = False) -> dict:
     """Every geometry, measured in a subprocess that imports exactly this tree's vllm."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "kit.regress", "measure", "--model", str(model_dir)]
+        cmd = [sys.executable, "-m", "kit.regress", "measure", "--model-dir", str(model_dir)]
         cmd += ["--out", out.name]
         cmd += ["--fix"] if fix else []
         cmd += ["--legacy-hashes"] if legacy_hashes else []
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="cmd")
     m = sub.add_parser("measure", help="(internal) measure the tree this process imports")
-    m.add_argument("--model", type=Path, required=True)
+    m.add_argument("--model-dir", type=Path, required=True, help="the tiny model's config")
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--fix", action="store_true", help="turn on the patched tree's switch")
     m.add_argument(
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "writes results/regression/<VERSION>/",
     )
     parser.add_argument(
-        "--out-dir",
+        "--out",
         type=Path,
         default=DEFAULT_OUT,
         help="where regression.json/.md go (default: %(default)s)",
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "measure":
         args.out.write_text(
-            json.dumps(measure(args.model, args.fix, lookahead_hashes=not args.legacy_hashes))
+            json.dumps(measure(args.model_dir, args.fix, lookahead_hashes=not args.legacy_hashes))
         )
         return 0
     if args.vllm and args.vllm != pins.get("vllm.version"):
@@ -253,12 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         unpatched = measure_on(trees.pinned("unpatched"), model_dir, fix=False)
         patched = measure_on(trees.pinned("patched"), model_dir, fix=True)
     report = build_report(unpatched, patched)
-    bundle.write_regression(args.out_dir, report, render_markdown(report))
+    bundle.write_regression(args.out, report, render_markdown(report))
     if not args.quiet:
         print(tabulate([[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS))
     print(f"summary: {report['summary']}  geometry identical: {report['geometry_identical']}")
     print(f"EAGLE-specific loss (cases, tokens) per tree: {report['eagle_specific_loss']}")
-    print(f"wrote {args.out_dir / 'regression.json'} and regression.md")
+    print(f"wrote {args.out / 'regression.json'} and regression.md")
     bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
     return 1 if bad or not report["geometry_identical"] else 0
 

@@ -3,7 +3,7 @@
 The cache layout is the one a hybrid GDN/Mamba + full-attention model gets in
 ``mamba_cache_mode="align"``: one full-attention group and one Mamba group with
 the same physical block size, prefix matching every ``prefix_match_unit``
-tokens. The model runner is replaced by ``StateOracle``, which applies the
+tokens. The model runner is replaced by ``MambaStateLedger``, which applies the
 align-mode state placement rule and the scheduler's block copies, so every
 cached Mamba state is known by the exact token prefix that produced it.
 """
@@ -159,7 +159,7 @@ def kv_cache_config(geo: Geometry, num_blocks: int) -> KVCacheConfig:
 
 
 @dataclass
-class StateOracle:
+class MambaStateLedger:
     """What a Mamba block holds, as the token prefix that produced it.
 
     Align mode saves the running state after a step into the request's block
@@ -237,7 +237,7 @@ class SchedulerRig:
         )
         self.manager = self.scheduler.kv_cache_manager
         self.coordinator = self.manager.coordinator
-        self.oracle = StateOracle(geo.block)
+        self.ledger = MambaStateLedger(geo.block)
         # Releases after 0.32.0 hash each unit together with the tokens the drafter
         # reads past it (lookahead hashes); the engine builds its hasher so.
         lookahead = getattr(self.vllm_config, "num_hash_lookahead_tokens", 0)
@@ -327,7 +327,7 @@ class SchedulerRig:
             if request.is_finished():
                 break
             out = self.scheduler.schedule()
-            self.oracle.apply_copies(out.kv_cache_block_copies)
+            self.ledger.apply_copies(out.kv_cache_block_copies)
             sampled: list[list[int]] = []
             for new in out.scheduled_new_reqs:
                 if new.req_id == request.request_id:
@@ -337,7 +337,7 @@ class SchedulerRig:
                 # schedule() has already advanced num_computed_tokens.
                 end = req.num_computed_tokens
                 mamba_ids = self.manager.get_block_ids(req_id)[MAMBA_GROUP]
-                self.oracle.record_step(req, mamba_ids, end)
+                self.ledger.record_step(req, mamba_ids, end)
                 if end <= req.num_prompt_tokens:
                     ends.append(end)
                 sampled.append([self.reply_token(req)] if end >= req.num_tokens else [])
@@ -367,7 +367,7 @@ class SchedulerRig:
         prefix = None
         if hit:
             mamba_ids = self.manager.get_block_ids(req.request_id)[MAMBA_GROUP]
-            prefix = self.oracle.prefix_of_block.get(mamba_ids[(hit - 1) // self.geo.block])
+            prefix = self.ledger.prefix_of_block.get(mamba_ids[(hit - 1) // self.geo.block])
         return ResumeRecord(req.request_id, hit, prefix)
 
     @staticmethod

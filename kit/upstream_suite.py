@@ -127,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RELEASE",
         help="a later release from pins.toml [releases], or 'newest' (default: the pinned one)",
     )
-    parser.add_argument("--out-dir", type=Path, help="default: results/upstream-suite[/<release>]")
+    parser.add_argument(
+        "--out", type=Path, help="a folder (default: results/upstream-suite[/<release>])"
+    )
     args = parser.parse_args(argv)
     from kit import releases
 
-    out_dir = args.out_dir or ROOT / "results" / "upstream-suite"
+    out_dir = args.out or ROOT / "results" / "upstream-suite"
     try:
         if args.vllm == "newest":
             args.vllm = releases.newest()
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = releases.release_pins(args.vllm)
             sdist = sdists.fetch(args.vllm, spec["sdist_url"], spec["sdist_sha256"], args.sdist)
             tests_dir = extract_tests(sdist, args.vllm)
-            out_dir = args.out_dir or out_dir / args.vllm
+            out_dir = args.out or out_dir / args.vllm
             under_test = {
                 name: releases.tree(args.vllm, name) for name in releases.stages(args.vllm)
             }

@@ -69,7 +69,7 @@ def test_cache_config_info_gives_the_geometry() -> None:
 
 def test_locked_model_must_be_pinned_and_verified(capsys) -> None:
     # The repository's lock is unresolved here: the bench stops before any server.
-    assert bench.main(["--locked-model", "qwen3_5-0_8b", "--print-serve-args"]) == 2
+    assert bench.main(["--model", "qwen3_5-0_8b", "--print-serve-args"]) == 2
     assert "make lock-models MODEL=qwen3_5-0_8b" in capsys.readouterr().err
 
 

@@ -62,7 +62,7 @@ def test_cpu_image_serves_its_own_tiny_model(tmp_path: Path) -> None:
 
 
 def test_two_nodes_say_where_the_plan_is(capsys) -> None:
-    assert orchestrate.main(["gb10", "--nodes", "2"]) == 1
+    assert orchestrate.main(["gb10", "--nodes", "2"]) == 2
     assert "Plan: two DGX Sparks" in capsys.readouterr().err
 
 
