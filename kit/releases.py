@@ -14,9 +14,6 @@ Idempotent: a stamp names the sdist and the mods a tree came from.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +22,6 @@ from kit import mods, pins, sdists, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ROOT / ".trees" / "releases"
-STAMP = ".kit-tree.json"
 
 
 class ReleaseError(RuntimeError):
@@ -86,51 +82,33 @@ def ensure_tree(version: str, stage: str = "unpatched") -> Path:
         "sdist_sha256": spec["sdist_sha256"],
         "mods": [[m.name, m.patch_sha256] for m in patch_mods],
     }
-    home = TREES / version / stage
-    stamp = home / STAMP
-    if stamp.is_file() and (home / "vllm").is_dir():
-        try:
-            if json.loads(stamp.read_text()) == want:
-                return home / "vllm"
-        except json.JSONDecodeError:
-            pass
-    sdist = sdists.fetch(version, spec["sdist_url"], spec["sdist_sha256"])
-    build = home.with_name(f".{stage}.building")
-    shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
-    sdists.unpack(sdist, version, "vllm", build)
-    if patch_mods:
-        mods.apply(build / "vllm", patch_mods)
-    (build / STAMP).write_text(json.dumps(want, indent=1) + "\n")
-    shutil.rmtree(home, ignore_errors=True)
-    os.replace(build, home)
-    return home / "vllm"
+
+    def fill(build: Path) -> None:
+        sdist = sdists.fetch(version, spec["sdist_url"], spec["sdist_sha256"])
+        sdists.unpack(sdist, version, "vllm", build)
+        if patch_mods:
+            mods.apply(build / "vllm", patch_mods)
+
+    return trees.stamped_folder(TREES / version / stage, want, fill, "vllm") / "vllm"
 
 
 def ensure_deps(version: str) -> Path:
     """``.trees/releases/<version>/deps``: the release's requirements the .venv lacks
     (pins.toml ``requirements``), installed with --no-deps; rebuilt when the list changes."""
     wanted = sorted(release_pins(version).get("requirements", []))
-    home = TREES / version / "deps"
-    stamp = home / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
-        return home
-    build = home.with_name(".deps.building")
-    shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
-    if wanted:
+
+    def fill(build: Path) -> None:
+        if not wanted:
+            return
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(build)]
         done = subprocess.run([*cmd, *wanted], capture_output=True, text=True)
         if done.returncode != 0:
-            shutil.rmtree(build, ignore_errors=True)
             raise ReleaseError(
                 f"vLLM {version}: pip could not install {wanted}: "
                 f"{done.stderr.strip().splitlines()[-1:]}; check the requirements in pins.toml"
             )
-    (build / STAMP).write_text(json.dumps(wanted) + "\n")
-    shutil.rmtree(home, ignore_errors=True)
-    os.replace(build, home)
-    return home
+
+    return trees.stamped_folder(TREES / version / "deps", wanted, fill)
 
 
 def tree(version: str, stage: str = "unpatched") -> trees.Tree:

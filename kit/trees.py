@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,29 +152,46 @@ def _hardlink_copy(source: Path, dest: Path) -> None:
     )
 
 
+def stamped_folder(
+    home: Path, want: object, fill: Callable[[Path], None], must_have: str | None = None
+) -> Path:
+    """``home`` as ``fill`` makes it, rebuilt only when its stamp is not ``want``.
+
+    Built beside and renamed into place, the stamp written last: a failed or
+    interrupted build leaves the previous folder or none, never half of one.
+    """
+    try:
+        current = json.loads((home / STAMP).read_text())
+    except (OSError, json.JSONDecodeError):
+        current = None
+    if current == want and (must_have is None or (home / must_have).exists()):
+        return home
+    build = home.with_name(f".{home.name}.building")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    try:
+        fill(build)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+    (build / STAMP).write_text(json.dumps(want, indent=1) + "\n")
+    shutil.rmtree(home, ignore_errors=True)
+    os.replace(build, home)
+    return home
+
+
 def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> Path:
     """Return ``.trees/<name>/vllm``, rebuilding it when missing or stale."""
     source = source or venv_vllm()
-    home = tree_dir(name)
-    wanted = _wanted_stamp(source, name, target)
-    stamp = home / STAMP
-    if stamp.is_file() and (home / "vllm").is_dir():
-        try:
-            if json.loads(stamp.read_text()) == wanted:
-                return home / "vllm"
-        except json.JSONDecodeError:
-            pass
-    build = home.with_name(f".{name}.building")
-    shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
-    _hardlink_copy(source, build / "vllm")
     stage_mods = mods.mods_for_target(target, name)
-    if stage_mods:
-        mods.apply(build / "vllm", stage_mods)
-    (build / STAMP).write_text(json.dumps(wanted, indent=2) + "\n")
-    shutil.rmtree(home, ignore_errors=True)
-    os.replace(build, home)
-    return home / "vllm"
+
+    def fill(build: Path) -> None:
+        _hardlink_copy(source, build / "vllm")
+        if stage_mods:
+            mods.apply(build / "vllm", stage_mods)
+
+    home = tree_dir(name)
+    return stamped_folder(home, _wanted_stamp(source, name, target), fill, "vllm") / "vllm"
 
 
 def main(argv: list[str] | None = None) -> int:
