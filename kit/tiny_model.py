@@ -116,6 +116,9 @@ def _write_weights(path: Path) -> None:
         state[f"mtp.{norm}.weight"] = state["model.norm.weight"].clone()
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})
+    # safetensors writes 0600; the images' servers (uid 10001) read this file
+    # through a read-only mount, and the weights are no secret.
+    tmp.chmod(0o644)
     tmp.replace(path)  # a reader never sees half a file
 
 

@@ -57,8 +57,18 @@ def test_unknown_model_is_named(tmp_path: Path) -> None:
         orchestrate.bench_model("strix", "nope", tmp_path)
 
 
-def test_cpu_image_serves_its_own_tiny_model(tmp_path: Path) -> None:
+def test_cpu_target_needs_no_locked_model(tmp_path: Path) -> None:
     assert orchestrate.bench_model("cpu", None, tmp_path) is None
+
+
+def test_the_tiny_model_the_containers_mount_is_readable_by_their_user(tmp_path: Path) -> None:
+    from kit.tiny_model import write_tiny_model
+
+    # The servers and the client run as uid 10001 over a read-only mount of this folder.
+    model = write_tiny_model(tmp_path / "tiny", weights=True)
+    assert all(f.stat().st_mode & 0o004 for f in model.iterdir()), [
+        (f.name, oct(f.stat().st_mode)) for f in model.iterdir()
+    ]
 
 
 def test_two_nodes_say_where_the_plan_is(capsys) -> None:
