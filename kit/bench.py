@@ -213,7 +213,7 @@ def run_record(args: argparse.Namespace, servers: dict[str, Server]) -> dict:
     }
 
 
-def markdown(out: Path, report: dict) -> str:
+def markdown(report: dict) -> str:
     from tabulate import tabulate
 
     headers, body = table(report["summary"])
@@ -221,7 +221,7 @@ def markdown(out: Path, report: dict) -> str:
     problems = report["failures"]
     return "\n".join(
         [
-            f"# TTFT, unpatched vs patched — {out.name}",
+            f"# TTFT, unpatched vs patched, vLLM {report['run']['vllm']}",
             "",
             __doc__.strip(),
             "",
@@ -305,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers),
     }
-    bundle.write_bench(out, report, rows, markdown(out, report))
-    print(markdown(out, report))
+    text = markdown(report)
+    bundle.write_bench(out, report, rows, text)
+    print(text)
     print(f"results: {out}")
     problems = report["failures"]
     for line in problems:

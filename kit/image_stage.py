@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def record(target: str, stage: str) -> dict:
     tree = trees.installed().package
     version, commit = mods.tree_version(tree)
-    applied = mods.read_provenance(tree)["mods"]
+    applied = mods.read_mods_record(tree)["mods"]
     return {
         "target": target,
         "stage": stage,

@@ -28,7 +28,7 @@ from kit import pins, udiff
 
 ROOT = Path(__file__).resolve().parent.parent
 MODS_DIR = ROOT / "mods"
-PROVENANCE_NAME = "vllm_kit_provenance.json"
+MODS_RECORD_NAME = "vllm_kit_mods.json"
 LOCK_NAME = ".kit-mods.lock"
 REQUIRED_KEYS = {
     "name": str,
@@ -311,20 +311,20 @@ def _commit(tree: Path, contents: dict[str, str]) -> None:
         raise ModError(f"{tree}: write failed ({exc}); rolled back, nothing changed") from exc
 
 
-def provenance_path(tree: Path) -> Path:
-    return tree.parent / PROVENANCE_NAME
+def mods_record_path(tree: Path) -> Path:
+    return tree.parent / MODS_RECORD_NAME
 
 
-def read_provenance(tree: Path) -> dict:
-    path = provenance_path(tree)
+def read_mods_record(tree: Path) -> dict:
+    path = mods_record_path(tree)
     if not path.is_file():
         return {"mods": []}
     return json.loads(path.read_text())
 
 
-def _write_provenance(tree: Path, applied: list[Mod], removed: list[str]) -> None:
+def _write_mods_record(tree: Path, applied: list[Mod], removed: list[str]) -> None:
     version, commit = tree_version(tree)
-    record = read_provenance(tree)
+    record = read_mods_record(tree)
     keep = [
         m
         for m in record.get("mods", [])
@@ -339,7 +339,7 @@ def _write_provenance(tree: Path, applied: list[Mod], removed: list[str]) -> Non
         "updated_at": now,
         "mods": keep,
     }
-    path = provenance_path(tree)
+    path = mods_record_path(tree)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
@@ -375,9 +375,9 @@ def _run(tree: Path, mods: list[Mod], force: bool, reverse: bool) -> list[str]:
             _check_compiles(tree, contents)
             _commit(tree, contents)
             if reverse:
-                _write_provenance(tree, [], [m.name for m in changed])
+                _write_mods_record(tree, [], [m.name for m in changed])
             else:
-                _write_provenance(tree, changed, [])
+                _write_mods_record(tree, changed, [])
     return messages
 
 
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in fn(tree, _select(args), force=args.force):
             print(line)
         if args.cmd == "apply":
-            print(f"provenance: {provenance_path(tree)}")
+            print(f"mods record: {mods_record_path(tree)}")
         return 0
     except ModError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -206,7 +206,7 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
     }
     if all(measured.values()):
         for stage in STAGES:
-            measured[stage]["provenance"] = records[stage]
+            measured[stage]["mods_record"] = records[stage]
         table = regress.build_report(measured["unpatched"], measured["patched"])
         where = bundle.write_regression(
             out / bundle.REGRESSION, table, regress.render_markdown(table)
@@ -420,6 +420,10 @@ def attach_image_records(out: Path, records: dict) -> None:
     if report:
         report["run"]["trees"] = {stage: record for stage, record in records.items()}
         report["run"]["trees_from"] = "the images' records (suites/<stage>/image.json)"
+        # The image holds the kit's files, not its git history.
+        report["run"]["host"]["kit_commit"] = report["run"]["host"]["kit_commit"] or (
+            bundle.kit_commit()
+        )
         bundle.write_json(out / bundle.BENCH, report)
 
 

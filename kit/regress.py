@@ -63,7 +63,7 @@ def measure_on(tree: trees.Tree, model_dir: Path, fix: bool, legacy_hashes: bool
         data = json.loads(Path(out.name).read_text())
     if not data["vllm_file"].startswith(str(tree.package)):
         raise RuntimeError(f"{tree}: measured {data['vllm_file']}, not this tree")
-    data["provenance"] = tree.mods_record()
+    data["mods_record"] = tree.mods_record()
     return data
 
 
@@ -162,9 +162,8 @@ def build_report(unpatched: dict, patched: dict) -> dict:
         },
         "geometry_identical": unpatched["geometry"] == patched["geometry"],
         "geometry": patched["geometry"],
-        "provenance": {
-            "unpatched": unpatched["provenance"],
-            "patched": patched["provenance"],
+        "run": {
+            "trees": {"unpatched": unpatched["mods_record"], "patched": patched["mods_record"]},
             "pins_sha256": pins.file_sha256(),
             "vllm_version": pins.get("vllm.version"),
         },
@@ -187,8 +186,7 @@ def render_markdown(report: dict) -> str:
     from tabulate import tabulate
 
     lines = [
-        "# Regression: follow-up resume under EAGLE/MTP, vLLM "
-        f"{report['provenance']['vllm_version']}",
+        f"# Regression: follow-up resume under EAGLE/MTP, vLLM {report['run']['vllm_version']}",
         "",
         f"H = {report['unit']}. `ideal` = floor(S/H)*H, less H under EAGLE (k > 0). "
         "`heuristic_covers` = U < 2H - (S mod H) under EAGLE.",

@@ -80,7 +80,7 @@ class Tree:
 
     def mods_record(self) -> dict:
         """What the mod engine recorded beside the package: release, commit, mods."""
-        return mods.read_provenance(self.package)
+        return mods.read_mods_record(self.package)
 
     @property
     def mods(self) -> list[str]:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in TREE_NAMES:
             path = ensure_tree(name, args.target)
             print(
-                f"{name:10s} {path}  ({len(mods.read_provenance(path)['mods'])} mods, "
+                f"{name:10s} {path}  ({len(mods.read_mods_record(path)['mods'])} mods, "
                 f"pins {pins.file_sha256()[:12]})"
             )
     except mods.ModError as exc:

@@ -43,7 +43,7 @@ def test_every_arg_is_supplied_from_pins(target: str) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_patched_stage_applies_mods_with_self_check(target: str) -> None:
     patched = dockerfile(target).split("AS patched", 1)[1]
-    # image_stage applies the stage's mods with the engine, then records provenance.
+    # image_stage applies the stage's mods with the engine, then writes the image record.
     assert f"kit.image_stage {target} --stage patched" in patched
     assert re.search(r"^USER 10001", patched, re.M)  # not root at run time
     assert "HF_TOKEN" not in dockerfile(target)

@@ -60,14 +60,14 @@ def test_apply_revert_roundtrip(tree: Path, mod: mods.Mod) -> None:
     assert digest(tree, files) != before
     # The hard-linked source of the copy is untouched.
     assert digest(trees.venv_vllm(), files) == source_before
-    record = json.loads(mods.provenance_path(tree).read_text())
+    record = json.loads(mods.mods_record_path(tree).read_text())
     assert record["vllm_version"] == "0.32.0"
     assert [(m["name"], m["patch_sha256"]) for m in record["mods"]] == [(MOD, mod.patch_sha256)]
     # Applying again is a no-op that says so.
     assert mods.apply(tree, [mod]) == [f"{MOD}: already applied, nothing to do"]
     assert mods.revert(tree, [mod]) == [f"{MOD}: reverted"]
     assert digest(tree, files) == before
-    assert mods.read_provenance(tree)["mods"] == []
+    assert mods.read_mods_record(tree)["mods"] == []
     assert mods.revert(tree, [mod]) == [f"{MOD}: not applied, nothing to do"]
 
 
@@ -101,7 +101,7 @@ def test_drift_names_mod_file_and_hunk_and_changes_nothing(tree: Path, mod: mods
     message = str(err.value)
     assert MOD in message and files[-1] in message and "hunk #1" in message
     assert digest(tree, files) == before
-    assert not mods.provenance_path(tree).exists()
+    assert not mods.mods_record_path(tree).exists()
     out = cli("check", MOD, "--tree", str(tree))
     assert out.returncode == 20 and "drift" in out.stdout
 

@@ -53,3 +53,18 @@ def test_a_container_flow_bundle_renders_its_manifest() -> None:
     assert "target cpu, engine buildah" in text
     assert "patched image sha256:" in text and "fix-eagle-fine-prefix" in text
     assert "regression_table" in text and "upstream_suite" in text
+
+
+def test_a_container_flow_bundle_names_what_ran() -> None:
+    # The client runs in an image without git or the servers' packages: the
+    # orchestrator fills in the kit commit and both images' mods records.
+    if not FLOW_BUNDLES:
+        pytest.fail("no committed bundle from the container flow under results/")
+    run = bundle_module.read_json(FLOW_BUNDLES[-1] / bundle_module.BENCH)
+    assert run["model"]["weights_sha256"]
+    assert run["run"]["host"]["kit_commit"]
+    records = run["run"]["trees"]
+    assert set(records) == {"unpatched", "patched"}
+    patched_mods = {m["name"] for m in records["patched"]["mods"]}
+    unpatched_mods = {m["name"] for m in records["unpatched"]["mods"]}
+    assert "fix-eagle-fine-prefix" in patched_mods - unpatched_mods
