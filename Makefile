@@ -29,8 +29,8 @@ test: setup lint ## everything CI runs: lint, the suite (tree-dependent tests on
 	  env KIT_TREE=patched $(VENV_PY) -m pytest -q -p no:cacheprovider
 	@$(PHASE) "pytest, unpatched tree, tests marked tree" \
 	  env KIT_TREE=unpatched $(VENV_PY) -m pytest -q -p no:cacheprovider -m tree
-	@$(PHASE) "vLLM's prefix-cache suite, pinned release, both trees" \
-	  $(VENV_PY) -m kit.upstream_suite
+	@$(PHASE) "vLLM's prefix-cache suite, pinned release, both trees (read from a container-flow run on the same code when there is one)" \
+	  $(VENV_PY) -m kit.upstream_suite --reuse-flow
 	@$(PHASE) "vLLM's prefix-cache suite, newest release, both trees" \
 	  $(VENV_PY) -m kit.upstream_suite --vllm newest
 

@@ -51,13 +51,19 @@ def new_path(label: str, root: Path = RESULTS) -> Path:
 
 
 def kit_commit() -> str:
-    """The kit's git commit, ``-dirty`` when the checkout has changes ('' outside git)."""
+    """The kit's git commit, ``-dirty`` when its source has changes ('' outside git).
+
+    ``results/`` is left out of the check: a run writes its own bundle there
+    before it asks, and measurements are not source."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--", ".", f":!{RESULTS.name}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
     except OSError:
         return ""

@@ -19,7 +19,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from kit import pins, sdists, trees
+from kit import bundle, pins, sdists, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
@@ -117,6 +117,37 @@ def counts(junit: Path) -> dict[str, int]:
     return {kind: found.count(kind) for kind in OUTCOMES}
 
 
+def _code_under_test(record: dict) -> tuple:
+    mods = sorted((m["name"], m["patch_sha256"]) for m in record.get("mods", []))
+    return record.get("vllm_version"), mods
+
+
+def flow_run_of(under_test: dict[str, trees.Tree]) -> Path | None:
+    """The newest container-flow bundle that ran this suite on the same code as these trees."""
+    commit = bundle.kit_commit()
+    # A changed checkout may differ from what the images were built from.
+    if not commit or commit.endswith("-dirty"):
+        return None
+    for manifest in sorted(bundle.RESULTS.glob(f"*/{bundle.MANIFEST}"), reverse=True):
+        run = manifest.parent
+        meta = bundle.read_json(manifest)
+        if (meta.get("kit_commit"), meta.get("pins_sha256"), meta.get("target")) != (
+            commit,
+            pins.file_sha256(),
+            "cpu",
+        ):
+            continue
+        stages = {stage: bundle.suite_dir(run, stage) for stage in under_test}
+        if all(
+            (folder / f"upstream-{stage}.xml").is_file()
+            and _code_under_test(bundle.read_json(folder / bundle.IMAGE_RECORD))
+            == _code_under_test(under_test[stage].mods_record())
+            for stage, folder in stages.items()
+        ):
+            return run
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--out", type=Path, help="a folder (default: results/upstream-suite[/<release>])"
+    )
+    parser.add_argument(
+        "--reuse-flow",
+        action="store_true",
+        help="pinned release: read the outcomes of a container-flow run of this kit "
+        "commit whose images carry these trees' vLLM and mods, instead of running again",
     )
     args = parser.parse_args(argv)
     from kit import releases
@@ -155,12 +192,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no mod is made for vLLM {args.vllm}; nothing to compare", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Both trees at once: one core each.
-    runs = {name: start_suite(name, tests_dir, out_dir, tree) for name, tree in under_test.items()}
-    for proc, _ in runs.values():
-        proc.wait()
-    results = {name: outcomes(junit) for name, (_, junit) in runs.items()}
-    report, verdict, ok = compare(results)
+    flow_run = flow_run_of(under_test) if args.reuse_flow and not args.vllm else None
+    if flow_run:
+        junits = {}
+        for name in under_test:
+            for suffix in ("xml", "log"):
+                shutil.copy(bundle.suite_dir(flow_run, name) / f"upstream-{name}.{suffix}", out_dir)
+            junits[name] = out_dir / f"upstream-{name}.xml"
+        print(f"read from {flow_run.name}: that run's images carry these trees' vLLM and mods")
+    else:
+        # Both trees at once: one core each.
+        runs = {
+            name: start_suite(name, tests_dir, out_dir, tree) for name, tree in under_test.items()
+        }
+        for proc, _ in runs.values():
+            proc.wait()
+        junits = {name: junit for name, (_, junit) in runs.items()}
+    report, verdict, ok = compare({name: outcomes(junit) for name, junit in junits.items()})
+    report["ran_in"] = f"results/{flow_run.name} (the images)" if flow_run else "the host's trees"
     (out_dir / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
     print(verdict)
     return 0 if ok else 1
