@@ -29,15 +29,10 @@ from pathlib import Path
 from kit import bundle, pins, releases
 from kit.geometry_cases import all_cases
 from kit.geometry_model import Case, expected, lookahead_ideal
-from kit.regress import eagle_specific_loss, loss_totals, measure_on, without_speculation
+from kit.regress import eagle_specific_loss, loss_totals, measure_many, without_speculation
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("lookahead", "legacy")
-
-
-def _measure(version: str, stage: str, mode: str, model_dir: Path) -> dict:
-    tree = releases.tree(version, stage)
-    return measure_on(tree, model_dir, fix=stage == "patched", legacy_hashes=mode == "legacy")
 
 
 def verdict(case: Case, stage: str, row: dict) -> str:
@@ -125,12 +120,15 @@ def run(version: str, quiet: bool = False, out_root: Path | None = None) -> int:
     except releases.ReleaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    measured = {}
+    # Trees first, one at a time: a missing one is built, and two builders must not race.
+    tree_of = {stage: releases.tree(version, stage) for stage in stage_list}
+    runs = {
+        (stage, mode): (tree_of[stage], stage == "patched", mode == "legacy")
+        for stage in stage_list
+        for mode in MODES
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "tiny")
-        for stage in stage_list:
-            for mode in MODES:
-                measured[(stage, mode)] = _measure(version, stage, mode, model_dir)
+        measured = measure_many(runs, write_tiny_model(Path(tmp) / "tiny"))
     report = build(version, measured)
     out_dir = (out_root or ROOT / "results" / "regression") / version
     text = render(report)
