@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,8 @@ from pathlib import Path
 
 from kit import bundle, models, mods, oracle, pins, trees
 from kit.geometry_model import UNIT
-from kit.serve import Server, server_command, server_env, wait_healthy
+from kit.openai_client import MetricsError, RequestError
+from kit.serve import Server, ServerError, server_command, server_env, wait_healthy
 from kit.serve_args import (
     CPU_BATCHED_TOKENS,
     CPU_BLOCK,
@@ -52,16 +54,60 @@ from kit.ttft import (
 from kit.ttft_stats import distinct_cold_answers, failures, oracle_summary, summarize, table
 
 ROOT = Path(__file__).resolve().parent.parent
+# Exit statuses of a run stopped by a signal: 128 + the signal, as a shell reports it.
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived: unwind (stopping both servers) and exit 128 + signal.
+
+    A BaseException so no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    # A second signal must not cut the clean-up of the first short.
+    for sig in EXIT_SIGNAL:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
+    return value
+
+
+def longest_prompt(shared: int) -> int:
+    """The longest sequence a repetition sends at context length S: the fourth
+    conversation turn and its reply."""
+    return shared + TURN_LEN + 3 * (REPLY_TOKENS + TURN_LEN) + REPLY_TOKENS
+
+
+def max_model_len(serve: list[str]) -> int | None:
+    """The servers' ``--max-model-len`` when the plan sets one."""
+    if "--max-model-len" in serve:
+        return int(serve[serve.index("--max-model-len") + 1])
+    return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--reps", type=int, default=10, help="repetitions (default: %(default)s)")
+    parser.add_argument(
+        "--reps", type=positive_int, default=10, help="repetitions (default: %(default)s)"
+    )
     parser.add_argument(
         "--shared",
-        type=int,
+        type=positive_int,
         nargs="+",
         default=[900, 1007, 2048, 2159],
         help="context lengths S (default: %(default)s: inside the first 2048-token "
@@ -132,10 +178,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="model store for --model (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    bad = [item for item in args.server_url if "=" not in item]
+    if bad:
+        parser.error(f"--server-url {bad[0]!r}: write TREE=URL, e.g. unpatched=http://host:8000")
     external = dict(item.split("=", 1) for item in args.server_url)
     if external and set(external) != set(TREES):
         parser.error("--server-url needs both unpatched=URL and patched=URL")
     args.external = external
+    if args.out is not None and bundle.existing_bundle(args.out):
+        parser.error(
+            f"--out {args.out} already holds a bench run ({bundle.BENCH}, {bundle.RAW} or "
+            f"{bundle.FAILED}); name a new folder or leave --out out for a fresh one"
+        )
     return args
 
 
@@ -192,8 +246,18 @@ def start_servers(
     print(f"starting both servers (logs in {out / bundle.LOGS})", flush=True)
     for server in servers.values():
         stack.callback(server.stop)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(lambda s: s.start(), servers.values()))
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        for future in [pool.submit(s.start) for s in servers.values()]:
+            future.result()
+    except BaseException:
+        # Stopping ends the other start's health wait, so the pool can be joined
+        # (a signal or one failed start must not wait out the other's timeout).
+        for server in servers.values():
+            server.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True)
     return servers
 
 
@@ -246,6 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     except (models.LockError, models.VerifyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    limit = max_model_len(base)
+    too_long = [s for s in args.shared if limit and longest_prompt(s) > limit]
+    if too_long:
+        print(
+            f"error: --shared {' '.join(map(str, too_long))}: a repetition at S sends up to "
+            f"S + {longest_prompt(0)} tokens and the model's length is {limit}; "
+            f"use S <= {limit - longest_prompt(0)}",
+            file=sys.stderr,
+        )
+        return 2
     if args.print_serve_args:
         print(json.dumps({"args": base, "patched_extra": patched_extra, "env": env}))
         return 0
@@ -255,30 +329,67 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("$ " + shlex.join(cmd), flush=True)
         os.execve(cmd[0], cmd, server_env(env))
+    chosen = args.out is None
+    out = args.out or bundle.new_path(args.model or "cpu")
+    out.mkdir(parents=True, exist_ok=True)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in EXIT_SIGNAL}
+    try:
+        return run(args, out, base, patched_extra, env, num_spec, model_record)
+    except Interrupted as exc:
+        _give_up(out, chosen, f"stopped by {exc}; both servers stopped", "interrupted")
+        return EXIT_SIGNAL[exc.signum]
+    except KeyboardInterrupt:
+        _give_up(out, chosen, "stopped by SIGINT; both servers stopped", "interrupted")
+        return EXIT_SIGNAL[signal.SIGINT]
+    except (MeasureError, ServerError, RequestError, MetricsError, OSError) as exc:
+        where = _give_up(out, chosen, str(exc), "failed")
+        print(f"error: {exc}\nlogs: {where / bundle.LOGS}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _give_up(out: Path, chosen: bool, reason: str, status: str) -> Path:
+    """A run that wrote no bench.json says why in failed.json; a folder the kit named
+    itself gets a ``-failed`` suffix so nothing takes it for a bundle. Returns where
+    it is now."""
+    if (out / bundle.BENCH).is_file():
+        return out
+    bundle.write_failed(out, reason, status)
+    if chosen:
+        moved = out.with_name(out.name + "-failed")
+        os.replace(out, moved)
+        out = moved
+    print(f"{status}: {reason}; what the run left is in {out}", file=sys.stderr)
+    return out
+
+
+def run(
+    args: argparse.Namespace,
+    out: Path,
+    base: list[str],
+    patched_extra: list[str],
+    env: dict,
+    num_spec: int,
+    model_record: dict,
+) -> int:
     from tqdm import tqdm
 
     from kit.tiny_model import write_tiny_model
 
-    out = args.out or bundle.new_path(args.model or "cpu")
-    out.mkdir(parents=True, exist_ok=True)
     if not args.model:
         write_tiny_model(out / bundle.TINY_MODEL)  # the config; the weights stay out
     budget = LOCKED_BATCHED_TOKENS if args.model else CPU_BATCHED_TOKENS
     with ExitStack() as stack:
         servers = start_servers(stack, args, base, patched_extra, env, out)
-        try:
-            geo = served_geometry(servers, num_spec, budget)
-        except MeasureError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+        geo = served_geometry(servers, num_spec, budget)
         if not args.model and geo.block != args.block:
-            print(
-                f"error: vLLM resolved the block to {geo.block} tokens, not the {args.block} "
+            raise MeasureError(
+                f"vLLM resolved the block to {geo.block} tokens, not the {args.block} "
                 "asked for (its Mamba page did not fit the attention page); the expected "
-                "hits would be wrong. Check --mamba-ssm-cache-dtype.",
-                file=sys.stderr,
+                "hits would be wrong. Check --mamba-ssm-cache-dtype."
             )
-            return 1
         rows = interleaved(
             servers,
             geo,
@@ -305,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers),
     }
+    # The environment that ran the servers: started here, this one; in images,
+    # the client's (the same image as the patched server).
+    report["run"]["environment"] = bundle.record_environment(out)
     text = markdown(report)
     bundle.write_bench(out, report, rows, text)
     print(text)

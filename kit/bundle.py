@@ -11,7 +11,15 @@ container flow's target) holds:
 - ``suites/<stage>/`` (container flow): what ran inside each image, with the
   image's own record ``image.json``; ``regression/regression.{json,md}`` and
   ``upstream-suite.json`` compare the two stages;
-- ``logs/``, and the tiny model's config in ``tiny-qwen3-next/``.
+- ``logs/``, and the tiny model's config in ``tiny-qwen3-next/``;
+- ``environment/``: ``pip-freeze.txt`` of the environment that ran the bench
+  (and ``collect-env.txt``, vLLM's report, when it could be made).
+
+A bench that failed or was interrupted writes ``failed.json`` (why) instead of
+``bench.json``, and a folder the kit named itself is renamed ``<name>-failed``:
+no reader takes it for a bundle.
+
+Every JSON results file carries its schema (``kit.schema``): ``load`` checks it.
 
 Every module that writes or reads these names goes through here.
 """
@@ -22,8 +30,11 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+from kit import schema
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
@@ -32,6 +43,12 @@ BENCH = "bench.json"
 RAW = "raw.json"
 BENCH_MD = "bench.md"
 PLOT = "ttft.png"
+FIGURES = {
+    "ttft.png": "TTFT per repetition, both trees, with the ratio's median and range",
+    "cached-tokens.png": "cached tokens resumed vs S per tree, the model's prediction, ideal",
+}
+FAILED = "failed.json"
+ENVIRONMENT = "environment"
 MANIFEST = "manifest.json"
 SUITES = "suites"
 IMAGE_RECORD = "image.json"
@@ -115,31 +132,91 @@ def _strict_json(path: Path) -> dict:
 
 def write_bench(bundle: Path, report: dict, rows: list[dict], markdown: str) -> None:
     write_json(bundle / RAW, rows, indent=None)
-    write_json(bundle / BENCH, report)
     (bundle / BENCH_MD).write_text(markdown)
-    try:
-        from kit.plot import ttft_plot
+    from kit import plot
 
-        ttft_plot(report["summary"], bundle / PLOT)
-    except ImportError:  # matplotlib is optional
-        pass
+    plot.bench_figures(report, rows, bundle)
+    # Last: bench.json is what makes the folder a bundle.
+    write_json(bundle / BENCH, schema.stamp("bench", report))
+
+
+def write_failed(bundle: Path, reason: str, status: str) -> Path:
+    """Why a bench run left no bench.json (status: failed | interrupted)."""
+    return write_json(
+        bundle / FAILED,
+        schema.stamp("bench-failed", {"status": status, "reason": reason, "at": _now()}),
+    )
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def record_environment(bundle: Path, python: str = sys.executable) -> dict:
+    """``pip freeze`` of the environment that ran (and vLLM's collect-env where it
+    runs in a minute); returns what the bench record notes about them."""
+    folder = bundle / ENVIRONMENT
+    folder.mkdir(parents=True, exist_ok=True)
+    noted = {}
+    for name, cmd, timeout in (
+        ("pip-freeze.txt", [python, "-m", "pip", "freeze", "--all"], 120),
+        ("collect-env.txt", [python, "-m", "vllm.collect_env"], 60),
+    ):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            noted[name] = f"not recorded: {exc}"
+            continue
+        if done.returncode == 0:
+            (folder / name).write_text(done.stdout)
+            noted[name] = f"{ENVIRONMENT}/{name}"
+        else:
+            noted[name] = f"not recorded: exit {done.returncode}: {done.stderr.strip()[-200:]}"
+    return noted
 
 
 def load(bundle: Path) -> dict:
-    """A bundle's bench.json, with the container flow's manifest under ``manifest``."""
+    """A bundle's bench.json, with the container flow's manifest under ``manifest``,
+    both checked against the schema this kit reads."""
     path = bundle / BENCH
     if not path.is_file():
+        failed = bundle / FAILED
+        if failed.is_file():
+            why = read_json(failed)
+            raise BundleError(
+                f"{bundle}: that bench run {why.get('status', 'failed')} "
+                f"({why.get('reason', 'no reason recorded')}); it wrote no {BENCH}. "
+                f"Its logs are in {bundle / LOGS}"
+            )
         raise BundleError(
             f"{bundle}: no {BENCH}; pass a folder written by 'make bench' or 'make bench-<target>'"
         )
-    report = _strict_json(path)
-    manifest = bundle / MANIFEST
-    report["manifest"] = _strict_json(manifest) if manifest.is_file() else None
+    try:
+        report = schema.check("bench", _strict_json(path), path)
+        manifest = bundle / MANIFEST
+        report["manifest"] = (
+            schema.check("manifest", _strict_json(manifest), manifest)
+            if manifest.is_file()
+            else None
+        )
+    except schema.SchemaError as exc:
+        raise BundleError(str(exc)) from exc
+    missing = [k for k in ("summary", "geometry", "run", "reps", "oracle") if k not in report]
+    if missing or not report.get("summary"):
+        raise BundleError(
+            f"{path}: incomplete bench record (missing or empty: "
+            f"{', '.join(missing) or 'summary'}); re-run the bench"
+        )
     return report
 
 
+def existing_bundle(folder: Path) -> bool:
+    """Whether a folder already holds a bench run's results (a bench must not write into it)."""
+    return any((folder / name).exists() for name in (BENCH, RAW, FAILED))
+
+
 def write_manifest(bundle: Path, data: dict) -> Path:
-    return write_json(bundle / MANIFEST, data)
+    return write_json(bundle / MANIFEST, schema.stamp("manifest", data))
 
 
 def suite_dir(bundle: Path, stage: str) -> Path:
@@ -149,6 +226,6 @@ def suite_dir(bundle: Path, stage: str) -> Path:
 def write_regression(out_dir: Path, table: dict, markdown: str) -> Path:
     """``regression.json`` and ``regression.md``: `make regress`, the release tables, and
     the container flow's comparison of the two images all write them here."""
-    write_json(out_dir / "regression.json", table)
+    write_json(out_dir / "regression.json", schema.stamp("regression", table))
     (out_dir / "regression.md").write_text(markdown)
     return out_dir / "regression.json"

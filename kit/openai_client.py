@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from dataclasses import dataclass
 
-METRIC = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
+from prometheus_client.parser import text_string_to_metric_families
+
+from kit.loopback import urlopen
+
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 
 
@@ -70,7 +72,7 @@ def complete(
     logprobs: list[float] = []
     top: list[dict[int, float]] = []
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
+        with urlopen(request, timeout=timeout) as resp:
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -110,20 +112,25 @@ def complete(
     )
 
 
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a Prometheus text exposition (name, labels, value), read with
+    prometheus_client's parser: timestamps, ``+Inf`` and quoted ``}`` in labels included."""
+    try:
+        return [
+            (s.name, s.labels, s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        ]
+    except (ValueError, TypeError, IndexError) as exc:
+        raise MetricsError(f"/metrics does not parse as Prometheus text: {exc}") from exc
+
+
 def parse_counters(text: str) -> dict[str, float]:
     """Sum the prefix-cache counters over their label sets; refuse what does not parse."""
     totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = METRIC.match(line.strip())
-        if not match:
-            if line.startswith(COUNTERS):
-                raise MetricsError(f"malformed metrics line: {line[:120]!r}")
-            continue
-        name, _, value = match.groups()
+    for name, _, value in samples(text):
         if name in COUNTERS:
-            totals[name] = totals.get(name, 0.0) + float(value)
+            totals[name] = totals.get(name, 0.0) + value
     missing = [c for c in COUNTERS if c not in totals]
     if missing:
         raise MetricsError(f"/metrics lacks {', '.join(missing)}")
@@ -131,7 +138,7 @@ def parse_counters(text: str) -> dict[str, float]:
 
 
 def counters(base_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+    with urlopen(base_url + "/metrics", timeout=30) as resp:
         return parse_counters(resp.read().decode())
 
 
@@ -143,24 +150,23 @@ def parse_cache_config_info(text: str) -> dict[str, int]:
     server's ``mamba_block_size`` label can still show the value asked for, so
     it is not used.
     """
-    for line in text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
-            block = labels.get("block_size")
-            unit = labels.get("prefix_match_unit")
-            if block and block.isdigit() and unit and unit.isdigit():
+    for name, labels, _ in samples(text):
+        if name == "vllm:cache_config_info":
+            block = labels.get("block_size", "")
+            unit = labels.get("prefix_match_unit", "")
+            if block.isdigit() and unit.isdigit():
                 return {"block": int(block), "unit": int(unit)}
-            raise MetricsError(f"vllm:cache_config_info lacks block sizes: {line[:160]!r}")
+            raise MetricsError(f"vllm:cache_config_info lacks block sizes: {labels}")
     raise MetricsError("/metrics has no vllm:cache_config_info")
 
 
 def cache_config_info(base_url: str) -> dict[str, int]:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+    with urlopen(base_url + "/metrics", timeout=30) as resp:
         return parse_cache_config_info(resp.read().decode())
 
 
 def reset_prefix_cache(base_url: str) -> None:
     request = urllib.request.Request(base_url + "/reset_prefix_cache", b"", method="POST")
-    with urllib.request.urlopen(request, timeout=60) as resp:
+    with urlopen(request, timeout=60) as resp:
         if resp.status != 200:
             raise RequestError(f"/reset_prefix_cache answered {resp.status}")

@@ -41,3 +41,7 @@ def ttft_plot(summary: list[dict], path: Path) -> Path:
     draw.text((width - RIGHT - 60, height - 25), f"{peak:.0f} ms", fill="black")
     image.save(path)
     return path
+
+
+def bench_figures(report: dict, rows: list[dict], bundle: Path) -> list[Path]:
+    return [ttft_plot(report["summary"], bundle / "ttft.png")]

@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kit import oracle
 from kit.geometry_model import Case, Geometry, expected, prompt_checkpoint
-from kit.openai_client import cache_config_info, complete, counters, reset_prefix_cache
+from kit.openai_client import (
+    MetricsError,
+    RequestError,
+    cache_config_info,
+    complete,
+    counters,
+    reset_prefix_cache,
+)
 from kit.serve import Server
 from kit.serve_args import SERVED_NAME
 
@@ -117,7 +126,10 @@ def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: Geom
 
 def served_geometry(servers: dict[str, Server], num_spec: int, budget: int) -> Geometry:
     """The geometry the expectations use: the one both servers report."""
-    reported = {t: cache_config_info(s.url) for t, s in servers.items()}
+    reported = {}
+    for tree, server in servers.items():
+        with naming(server):
+            reported[tree] = cache_config_info(server.url)
     if reported["unpatched"] != reported["patched"]:
         raise MeasureError(f"the two servers' cache geometry differs: {reported}")
     return Geometry(reported["patched"]["block"], reported["patched"]["unit"], num_spec, budget)
@@ -125,6 +137,16 @@ def served_geometry(servers: dict[str, Server], num_spec: int, budget: int) -> G
 
 class MeasureError(RuntimeError):
     pass
+
+
+@contextmanager
+def naming(server: Server) -> Iterator[None]:
+    """A failed request becomes a MeasureError that names the server's tree and what
+    became of its process (a dead server's exit status and last log lines)."""
+    try:
+        yield
+    except (RequestError, MetricsError, OSError) as exc:
+        raise MeasureError(f"{server.health()}\nthe request failed: {exc}") from exc
 
 
 def interleaved(
@@ -147,8 +169,9 @@ def interleaved(
             # from the other one's first requests (patched cold A, with its
             # extra steps, measured 3x slower that way; alone, 1.1x).
             time.sleep(IDLE_GAP_S)
-            pair = run_pair(servers[tree], tree, rep, s, geo, tolerance)
-            conv = run_conversation(servers[tree], tree, rep, s, geo)
+            with naming(servers[tree]):
+                pair = run_pair(servers[tree], tree, rep, s, geo, tolerance)
+                conv = run_conversation(servers[tree], tree, rep, s, geo)
             if rep >= 0:
                 rows += pair + conv
     return rows

@@ -44,7 +44,7 @@ def test_parse_counters_sums_label_sets() -> None:
 @pytest.mark.parametrize(
     "text,match",
     [
-        (GOOD.replace("} 10.0", "} ten"), "malformed metrics line"),
+        (GOOD.replace("} 10.0", "} ten"), "does not parse as Prometheus text"),
         ("vllm:other_total 1\n", "lacks vllm:prefix_cache_hits_total"),
     ],
 )

@@ -68,3 +68,30 @@ def test_a_container_flow_bundle_names_what_ran() -> None:
     patched_mods = {m["name"] for m in records["patched"]["mods"]}
     unpatched_mods = {m["name"] for m in records["unpatched"]["mods"]}
     assert "fix-eagle-fine-prefix" in patched_mods - unpatched_mods
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"summary": []}', "no schema field: written by a kit older"),
+        ("{}", "no schema field"),
+        ('{"schema": {"name": "bench", "version": 99}}', "update the kit"),
+        ('{"schema": {"name": "bench", "version": 0}}', "re-run the job with this kit"),
+        ('{"schema": {"name": "manifest", "version": 1}}', "a 'manifest' file, not 'bench'"),
+        ('{"schema": {"name": "bench", "version": 1}, "summary": []}', "incomplete bench record"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_an_older_empty_or_foreign_bench_record_says_what_to_do(
+    tmp_path: Path, content: str, message: str, capsys
+) -> None:
+    (tmp_path / "bench.json").write_text(content)
+    assert report.main([str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_failed_run_is_not_taken_for_a_bundle(tmp_path: Path, capsys) -> None:
+    bundle_module.write_failed(tmp_path, "stopped by SIGTERM", "interrupted")
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "that bench run interrupted (stopped by SIGTERM)" in err and "logs" in err

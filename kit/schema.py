@@ -1,0 +1,56 @@
+"""Schema name and version of every results file the kit writes, and the readers' check.
+
+Each file is a JSON object whose ``schema`` key is ``{"name": ..., "version": N}``.
+A writer stamps it (``stamp``); a reader checks it (``check``) and, for a file an
+older or newer kit wrote, says what to do instead of failing on a missing key.
+Raise a version when a reader of the old layout would misread the new one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+KEY = "schema"
+VERSIONS = {
+    "bench": 1,  # bench.json: the TTFT run
+    "bench-failed": 1,  # failed.json: why a bench run left no bench.json
+    "manifest": 1,  # manifest.json: the container flow
+    "regression": 1,  # regression.json: the scheduler-level tables
+    "upstream-suite": 1,  # upstream-suite.json: vLLM's prefix-cache suite, both trees
+    "mods-drift": 1,  # mods-drift.json: every mod against every release
+}
+
+
+class SchemaError(RuntimeError):
+    exit_code = 2
+
+
+def stamp(name: str, data: dict) -> dict:
+    """``data`` with its schema first (a new dict; ``data`` is not changed)."""
+    return {KEY: {"name": name, "version": VERSIONS[name]}, **data}
+
+
+def check(name: str, data: object, path: Path | str) -> dict:
+    """``data`` if it is a ``name`` file of the version this kit reads, else a
+    SchemaError that says what the file is and what to do."""
+    want = VERSIONS[name]
+    found = data.get(KEY) if isinstance(data, dict) else None
+    if not isinstance(found, dict) or "name" not in found or "version" not in found:
+        raise SchemaError(
+            f"{path}: no schema field: written by a kit older than schema versions "
+            f"(or not a kit {name} file). Re-run the job that wrote it, or add "
+            f'"{KEY}": {{"name": "{name}", "version": 1}} if it has the current layout'
+        )
+    if found["name"] != name:
+        raise SchemaError(f"{path}: a {found['name']!r} file, not {name!r}")
+    if found["version"] != want:
+        newer = isinstance(found["version"], int) and found["version"] > want
+        raise SchemaError(
+            f"{path}: {name} schema version {found['version']}, this kit reads {want}: "
+            + (
+                "update the kit (git pull)"
+                if newer
+                else "re-run the job with this kit, or read it with the kit commit it records"
+            )
+        )
+    return data
