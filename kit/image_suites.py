@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         # pytest exits 1 on any failed case; the host compares the sides case by case.
         status["upstream_suite"] = proc.wait()
+        upstream_suite.commit_outputs(args.out, [args.stage])
     record = ROOT / bundle.IMAGE_RECORD
     if record.is_file():
         shutil.copy(record, args.out / bundle.IMAGE_RECORD)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kit import mods, pins, releases, trees
+from kit import bundle, mods, pins, releases, schema, trees
 from kit.kv_copy_check import CHECK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"mod": name, "release": version, "state": state, "needed": needed})
             line.append(f"{state}; {needed}")
         table.append(line)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    record = {"releases": versions, "rows": rows}
+    bundle.write_json(args.out, schema.stamp("mods-drift", record))
     print(tabulate(table, headers=["mod", "made for", *versions]))
     print(f"wrote {args.out}")
     return 0

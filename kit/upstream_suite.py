@@ -11,15 +11,16 @@ unpatched tree passes. Two cases need a GPU and a hub model
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from kit import bundle, pins, sdists, trees
+from kit import bundle, pins, schema, sdists, trees
+from kit.serve import stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
@@ -57,11 +58,28 @@ def extract_tests(sdist: Path, version: str | None = None) -> Path:
     return dest
 
 
+def partial(path: Path) -> Path:
+    """Where a run writes ``path`` until it finishes: the committed file stays whole
+    until the new one replaces it by rename."""
+    return path.with_name(f".{path.name}.partial")
+
+
+class Stopped(BaseException):
+    """SIGTERM: stop the pytest runs (their whole process groups) and keep the old logs."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Stopped(signal.Signals(signum).name)
+
+
 def start_suite(
     name: str, tests_dir: Path, out_dir: Path, tree: trees.Tree
 ) -> tuple[subprocess.Popen, Path]:
-    """Run the suite against one tree, in the background; returns the process and its junit."""
-    junit = out_dir / f"upstream-{name}.xml"
+    """Run the suite against one tree, in the background, in its own process group;
+    returns the process and its junit file. Both the junit and the log are written to
+    ``partial`` names; ``commit_outputs`` renames them once the run finished."""
+    junit = partial(out_dir / f"upstream-{name}.xml")
     env = tree.env(
         PYTHONDONTWRITEBYTECODE="1",  # the tests may sit on a read-only mount
         VLLM_LOGGING_LEVEL="ERROR",
@@ -86,10 +104,48 @@ def start_suite(
     cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
     if tree.extra_env.get("VLLM_TARGET_DEVICE") == "cpu":
         cmd += ["-p", "kit.release_plugin"]
-    log = (out_dir / f"upstream-{name}.log").open("w")
-    return subprocess.Popen(
-        cmd, cwd=tests_dir, env=env, stdout=log, stderr=subprocess.STDOUT
-    ), junit
+    with partial(out_dir / f"upstream-{name}.log").open("w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tests_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, junit
+
+
+def run_suites(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """Wait for every run; on SIGTERM or Ctrl-C stop every run's process group (pytest
+    and whatever it started) and drop the partial files, then re-raise."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        for proc, _ in runs.values():
+            proc.wait()
+    except BaseException:
+        for proc, junit in runs.values():
+            stop_group(proc.pid, grace=10)
+            proc.wait()
+            for path in (junit, junit.with_name(junit.name.replace(".xml.", ".log."))):
+                path.unlink(missing_ok=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def commit_outputs(out_dir: Path, names: list[str]) -> dict[str, Path]:
+    """The finished runs' junit and log files renamed into place; returns the junits."""
+    junits = {}
+    for name in names:
+        for suffix in ("xml", "log"):
+            final = out_dir / f"upstream-{name}.{suffix}"
+            if partial(final).is_file():
+                os.replace(partial(final), final)
+            else:
+                final.unlink(missing_ok=True)  # an old file must not pass for this run's
+        junits[name] = out_dir / f"upstream-{name}.xml"
+    return junits
 
 
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
@@ -194,23 +250,28 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     flow_run = flow_run_of(under_test) if args.reuse_flow and not args.vllm else None
     if flow_run:
-        junits = {}
         for name in under_test:
             for suffix in ("xml", "log"):
-                shutil.copy(bundle.suite_dir(flow_run, name) / f"upstream-{name}.{suffix}", out_dir)
-            junits[name] = out_dir / f"upstream-{name}.xml"
+                source = bundle.suite_dir(flow_run, name) / f"upstream-{name}.{suffix}"
+                shutil.copy(source, partial(out_dir / source.name))
         print(f"read from {flow_run.name}: that run's images carry these trees' vLLM and mods")
     else:
         # Both trees at once: one core each.
-        runs = {
-            name: start_suite(name, tests_dir, out_dir, tree) for name, tree in under_test.items()
-        }
-        for proc, _ in runs.values():
-            proc.wait()
-        junits = {name: junit for name, (_, junit) in runs.items()}
+        runs = {}
+        try:
+            for name, tree in under_test.items():
+                runs[name] = start_suite(name, tests_dir, out_dir, tree)
+            run_suites(runs)
+        except (Stopped, KeyboardInterrupt) as exc:
+            print(
+                f"stopped ({exc or 'SIGINT'}): both runs ended; {out_dir} unchanged",
+                file=sys.stderr,
+            )
+            return 143 if isinstance(exc, Stopped) else 130
+    junits = commit_outputs(out_dir, list(under_test))
     report, verdict, ok = compare({name: outcomes(junit) for name, junit in junits.items()})
     report["ran_in"] = f"results/{flow_run.name} (the images)" if flow_run else "the host's trees"
-    (out_dir / "upstream-suite.json").write_text(json.dumps(report, indent=1) + "\n")
+    bundle.write_json(out_dir / bundle.UPSTREAM, schema.stamp("upstream-suite", report))
     print(verdict)
     return 0 if ok else 1
 
