@@ -3,8 +3,13 @@
 A mod is ``mods/<name>/`` with ``mod.toml`` (manifest), ``mod.patch`` (unified
 diff, paths relative to the ``vllm`` package directory) and ``README.md``.
 The engine never imports vLLM: inside image builds an import can initialise a GPU.
-Apply and revert are all-or-nothing: every hunk of every file of every named mod
-lands, or no file changes.
+Apply and revert are all-or-nothing, also when the process is killed midway: every
+new file is staged beside its target, then a journal naming the staged files and
+the new mods record is written (the commit point), then the files are renamed into
+place and the record written. A run killed before the journal changed nothing; one
+killed after it is finished by the next apply, revert, list or check. The record
+holds the sha256 of every file a mod touched, so what a tree carries is checked
+against its contents (``verify_record``), never taken from the record alone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 import tomllib
@@ -30,6 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODS_DIR = ROOT / "mods"
 MODS_RECORD_NAME = "vllm_kit_mods.json"
 LOCK_NAME = ".kit-mods.lock"
+JOURNAL_NAME = ".kit-mods-journal.json"
+# Tests only: SIGKILL this process at a named point of a commit (e.g. "renamed:1",
+# after the first file is renamed into place) to prove a crash can be finished.
+KILL_AT_ENV = "KIT_TEST_MODS_KILL_AT"
 REQUIRED_KEYS = {
     "name": str,
     "summary": str,
@@ -276,39 +286,85 @@ def _check_compiles(tree: Path, contents: dict[str, str]) -> None:
                 raise ModError(f"{tree / rel}: patched source does not compile: {exc}") from exc
 
 
-def _commit(tree: Path, contents: dict[str, str]) -> None:
-    """Write every file or none: temp files first, then renames, rolled back on failure."""
-    staged: list[tuple[Path, Path]] = []
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _kill_point(name: str) -> None:
+    if os.environ.get(KILL_AT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _durable_write(path: Path, data: bytes, mode: int | None = None) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(path, mode)
+
+
+def journal_path(tree: Path) -> Path:
+    return tree / JOURNAL_NAME
+
+
+def _commit(tree: Path, contents: dict[str, str], record: dict) -> None:
+    """Stage every file, write the journal (the commit point), then finish it."""
+    staged: list[dict] = []
+    pending = journal_path(tree).with_name(JOURNAL_NAME + ".tmp")
     try:
         for rel, text in contents.items():
             target = tree / rel
             tmp = target.with_name(f".{target.name}.kit-tmp")
-            tmp.write_text(text)
-            os.chmod(tmp, target.stat().st_mode & 0o777)
-            staged.append((tmp, target))
+            data = text.encode()
+            _durable_write(tmp, data, target.stat().st_mode & 0o777)
+            staged.append({"path": rel, "tmp": tmp.name, "sha256": _sha256(data)})
+        _durable_write(pending, json.dumps({"files": staged, "record": record}).encode())
+        _kill_point("staged")
+        os.replace(pending, journal_path(tree))
     except OSError as exc:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
+        for entry in staged:
+            (tree / entry["path"]).with_name(entry["tmp"]).unlink(missing_ok=True)
+        pending.unlink(missing_ok=True)
         raise ModError(
             f"{tree}: cannot write ({exc.strerror}: {exc.filename}); "
             "is the tree read-only? Nothing was changed"
         ) from exc
-    originals = {target: target.read_bytes() for _, target in staged}
-    done: list[Path] = []
+    _kill_point("journal")
+    _finish(tree)
+
+
+def _finish(tree: Path) -> bool:
+    """Finish a commit the journal describes (a crash after the commit point): rename
+    what is still staged, check the rest already holds its new contents, write the
+    record. Returns whether there was one to finish."""
+    journal = journal_path(tree)
+    if not journal.is_file():
+        return False
     try:
-        for tmp, target in staged:
+        plan = json.loads(journal.read_text())
+        entries, record = plan["files"], plan["record"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModError(
+            f"{journal}: unreadable journal of an interrupted apply/revert ({exc}); the tree's "
+            "state is unknown: delete the tree and rebuild it (make setup)"
+        ) from exc
+    for number, entry in enumerate(entries, start=1):
+        target = tree / entry["path"]
+        tmp = target.with_name(entry["tmp"])
+        if tmp.is_file():
             # A rename (not an in-place write) also breaks hard links, so a
             # hard-linked copy of the tree never changes its source.
             os.replace(tmp, target)
-            done.append(target)
-    except OSError as exc:
-        for target in done:
-            rollback = target.with_name(f".{target.name}.kit-rollback")
-            rollback.write_bytes(originals[target])
-            os.replace(rollback, target)
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        raise ModError(f"{tree}: write failed ({exc}); rolled back, nothing changed") from exc
+            _kill_point(f"renamed:{number}")
+        elif not target.is_file() or _sha256(target.read_bytes()) != entry["sha256"]:
+            raise ModError(
+                f"{journal}: {target} is neither staged nor in its new state; the tree was "
+                "changed by something else: delete the tree and rebuild it (make setup)"
+            )
+    _write_record(tree, record)
+    journal.unlink()
+    return True
 
 
 def mods_record_path(tree: Path) -> Path:
@@ -318,13 +374,53 @@ def mods_record_path(tree: Path) -> Path:
 def read_mods_record(tree: Path) -> dict:
     path = mods_record_path(tree)
     if not path.is_file():
-        return {"mods": []}
-    return json.loads(path.read_text())
+        return {"mods": [], "files": {}}
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record.get("mods"), list):
+            raise ValueError("no 'mods' list")
+    except (OSError, ValueError) as exc:
+        raise ModError(
+            f"{path}: unreadable mods record ({exc}); what the tree carries is unknown: "
+            "delete the tree and rebuild it (make setup)"
+        ) from exc
+    return record
 
 
-def _write_mods_record(tree: Path, applied: list[Mod], removed: list[str]) -> None:
+def verify_record(tree: Path) -> dict:
+    """The tree's mods record, after checking that every file it names still has the
+    recorded contents and no apply/revert is half done."""
+    if journal_path(tree).is_file():
+        raise ModError(
+            f"{tree}: an apply/revert was interrupted; run any 'kit mods apply/revert' on the "
+            "tree to finish it, or rebuild the tree"
+        )
+    record = read_mods_record(tree)
+    changed = [
+        rel
+        for rel, sha in record.get("files", {}).items()
+        if not (tree / rel).is_file() or _sha256((tree / rel).read_bytes()) != sha
+    ]
+    if changed:
+        raise ModError(
+            f"{tree}: {', '.join(changed)} differ from its mods record: the tree was changed "
+            "outside the mod engine; rebuild it (make setup)"
+        )
+    return record
+
+
+def _new_record(
+    tree: Path, applied: list[Mod], removed: list[str], contents: dict[str, str]
+) -> dict:
+    """The record after this apply/revert, made before any file changes: whatever it
+    needs (the pins, the old record) fails while the tree is still untouched."""
     version, commit = tree_version(tree)
     record = read_mods_record(tree)
+    try:
+        commit = commit or pins.get("vllm.commit_abbrev")
+        pins_sha256 = pins.file_sha256()
+    except (pins.PinError, OSError) as exc:
+        raise ModError(f"cannot read the pins ({exc}); fix pins.toml. Nothing was changed") from exc
     keep = [
         m
         for m in record.get("mods", [])
@@ -332,16 +428,23 @@ def _write_mods_record(tree: Path, applied: list[Mod], removed: list[str]) -> No
     ]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     keep += [{"name": m.name, "patch_sha256": m.patch_sha256, "applied_at": now} for m in applied]
-    record = {
+    files = dict(record.get("files", {}))
+    files.update({rel: _sha256(text.encode()) for rel, text in contents.items()})
+    return {
         "vllm_version": version,
-        "vllm_commit": commit or pins.get("vllm.commit_abbrev"),
-        "pins_sha256": pins.file_sha256(),
+        "vllm_commit": commit,
+        "pins_sha256": pins_sha256,
         "updated_at": now,
         "mods": keep,
+        # Every file a mod changed, as it is now: verify_record compares.
+        "files": dict(sorted(files.items())),
     }
+
+
+def _write_record(tree: Path, record: dict) -> None:
     path = mods_record_path(tree)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    _durable_write(tmp, (json.dumps(record, indent=2) + "\n").encode())
     os.replace(tmp, path)
 
 
@@ -356,6 +459,8 @@ def _run(tree: Path, mods: list[Mod], force: bool, reverse: bool) -> list[str]:
             )
     messages: list[str] = []
     with _locked(tree):
+        if _finish(tree):
+            messages.append("finished an interrupted apply/revert first")
         contents: dict[str, str] = {}
         changed: list[Mod] = []
         order = list(reversed(mods)) if reverse else mods
@@ -373,11 +478,11 @@ def _run(tree: Path, mods: list[Mod], force: bool, reverse: bool) -> list[str]:
             messages.append(f"{mod.name}: {'reverted' if reverse else 'applied'}")
         if changed:
             _check_compiles(tree, contents)
-            _commit(tree, contents)
             if reverse:
-                _write_mods_record(tree, [], [m.name for m in changed])
+                record = _new_record(tree, [], [m.name for m in changed], contents)
             else:
-                _write_mods_record(tree, changed, [])
+                record = _new_record(tree, changed, [], contents)
+            _commit(tree, contents, record)
     return messages
 
 
@@ -428,6 +533,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tree = args.tree.resolve()
     try:
+        if args.cmd in ("list", "check") and journal_path(tree).is_file():
+            with _locked(tree):
+                _finish(tree)
+            print(f"{tree}: finished an interrupted apply/revert first")
         if args.cmd == "list":
             version, _ = tree_version(tree)
             names = args.mods or available()

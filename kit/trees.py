@@ -16,19 +16,24 @@ cpu-mamba-align-spec, which only lets MTP run with align mode on the CPU);
 
 Both are hard-linked copies of the ``vllm`` package in ``.venv`` (cheap: only
 files a mod rewrites get new inodes, because the engine replaces files by
-rename). A stamp records what each tree was made from; a missing or stale stamp
-means the tree is rebuilt, never used.
+rename). A stamp records what each tree was made from and the contents of every file a mod
+touches; a missing or stale stamp, or a tree whose files changed since (a mod
+applied by hand, an interrupted apply), means the tree is rebuilt, never used.
+Builds take a lock: two processes never build the same tree at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,8 +84,9 @@ class Tree:
                 sys.path.insert(0, entry)
 
     def mods_record(self) -> dict:
-        """What the mod engine recorded beside the package: release, commit, mods."""
-        return mods.read_mods_record(self.package)
+        """What the mod engine recorded beside the package: release, commit, mods;
+        checked against the files it names."""
+        return mods.verify_record(self.package)
 
     @property
     def mods(self) -> list[str]:
@@ -152,31 +158,88 @@ def _hardlink_copy(source: Path, dest: Path) -> None:
     )
 
 
+def package_contents(folder: Path) -> dict | None:
+    """What a stamp must see of a built vLLM tree beyond its inputs: the sha256 of every
+    file any mod touches, and whether an apply/revert was left half done. A tree
+    changed after its build (a mod applied by hand, a crash) then no longer matches."""
+    package = folder / "vllm"
+    if not (package / "__init__.py").is_file():
+        return None
+    touched = sorted(
+        {rel for name in mods.available() for rel in mods.load_mod(name).manifest["files"]}
+    )
+    return {
+        "files": {
+            rel: pins.file_sha256(package / rel) for rel in touched if (package / rel).is_file()
+        },
+        "interrupted": mods.journal_path(package).exists(),
+    }
+
+
+@contextmanager
+def _build_lock(home: Path) -> Iterator[None]:
+    """One builder of ``home`` at a time, across processes; the others wait and then
+    find it built."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with open(home.with_name(f".{home.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _legacy_stamp(home: Path) -> object:
+    try:
+        stamp = json.loads((home / STAMP).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return None if isinstance(stamp, dict) and "want" in stamp else stamp
+
+
+def _current(home: Path, want: object, must_have: str | None) -> bool:
+    try:
+        stamp = json.loads((home / STAMP).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(stamp, dict) or stamp.get("want") != want:
+        return False
+    if must_have is not None and not (home / must_have).exists():
+        return False
+    return stamp.get("contents") == package_contents(home)
+
+
 def stamped_folder(
     home: Path, want: object, fill: Callable[[Path], None], must_have: str | None = None
 ) -> Path:
-    """``home`` as ``fill`` makes it, rebuilt only when its stamp is not ``want``.
+    """``home`` as ``fill`` makes it, rebuilt only when its stamp is not ``want`` or a
+    vLLM tree in it no longer has the contents it was built with.
 
-    Built beside and renamed into place, the stamp written last: a failed or
-    interrupted build leaves the previous folder or none, never half of one.
+    Built in a private temporary folder beside it, under a lock, and swapped in by
+    rename, the stamp written last: a failed or interrupted build leaves the previous
+    folder or none, never half of one, and two builders never share a folder.
     """
-    try:
-        current = json.loads((home / STAMP).read_text())
-    except (OSError, json.JSONDecodeError):
-        current = None
-    if current == want and (must_have is None or (home / must_have).exists()):
+    if _current(home, want, must_have):
         return home
-    build = home.with_name(f".{home.name}.building")
-    shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
-    try:
-        fill(build)
-    except BaseException:
-        shutil.rmtree(build, ignore_errors=True)
-        raise
-    (build / STAMP).write_text(json.dumps(want, indent=1) + "\n")
-    shutil.rmtree(home, ignore_errors=True)
-    os.replace(build, home)
+    with _build_lock(home):
+        if _current(home, want, must_have):  # another process built it while we waited
+            return home
+        if _legacy_stamp(home) == want and (must_have is None or (home / must_have).exists()):
+            # A stamp from before contents were recorded: take the contents as they are
+            # once, rather than rebuild every tree under processes running from them.
+            stamp = {"want": want, "contents": package_contents(home)}
+            (home / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+            return home
+        build = Path(tempfile.mkdtemp(prefix=f".{home.name}.building-", dir=home.parent))
+        try:
+            fill(build)
+            stamp = {"want": want, "contents": package_contents(build)}
+            (build / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+            old = home.with_name(f".{home.name}.old-{os.getpid()}")
+            if home.exists():
+                os.replace(home, old)
+            os.replace(build, home)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
     return home
 
 

@@ -233,3 +233,92 @@ def test_a_target_gets_the_mods_of_one_release() -> None:
     assert names("0.33.0") == ["fix-cow-aliased-kv-copy", "fix-eagle-fine-prefix-lookahead"]
     # 0.34.0 fixed the copy-on-write bug upstream (vllm#55112).
     assert names("0.34.0") == ["fix-eagle-fine-prefix-lookahead"]
+
+
+def apply_killed_at(tree: Path, point: str, *argv: str) -> subprocess.CompletedProcess:
+    """`kit.mods apply` in a real process that SIGKILLs itself at ``point``."""
+    return subprocess.run(
+        [sys.executable, "-m", "kit.mods", *argv, "--tree", str(tree)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, mods.KILL_AT_ENV: point},
+    )
+
+
+def test_an_apply_killed_after_the_first_rename_is_finished_by_the_next(
+    tree: Path, mod: mods.Mod
+) -> None:
+    files = mod.manifest["files"]
+    assert len(files) > 1  # so the kill lands between two renames
+    before = digest(tree, files)
+    killed = apply_killed_at(tree, "renamed:1", "apply", MOD)
+    assert killed.returncode == -9
+    half = digest(tree, files)
+    assert half != before and sum(half[f] != before[f] for f in files) == 1
+    # A half-applied tree is never taken at its record's word.
+    with pytest.raises(mods.ModError, match="interrupted"):
+        mods.verify_record(tree)
+    assert mods.apply(tree, [mod]) == [
+        "finished an interrupted apply/revert first",
+        f"{MOD}: already applied, nothing to do",
+    ]
+    assert mods.state(mod, tree) is mods.State.APPLIED
+    record = mods.verify_record(tree)
+    assert [m["name"] for m in record["mods"]] == [MOD]
+    assert record["files"] == digest(tree, files)
+    assert mods.revert(tree, [mod]) == [f"{MOD}: reverted"]
+    assert digest(tree, files) == before
+
+
+def test_an_apply_killed_before_its_commit_point_changed_nothing(tree: Path, mod: mods.Mod) -> None:
+    files = mod.manifest["files"]
+    before = digest(tree, files)
+    assert apply_killed_at(tree, "staged", "apply", MOD).returncode == -9
+    assert digest(tree, files) == before
+    assert mods.verify_record(tree)["mods"] == []
+    assert mods.apply(tree, [mod]) == [f"{MOD}: applied"]
+
+
+def test_a_revert_killed_midway_is_finished_by_list(tree: Path, mod: mods.Mod) -> None:
+    files = mod.manifest["files"]
+    before = digest(tree, files)
+    mods.apply(tree, [mod])
+    assert apply_killed_at(tree, "renamed:1", "revert", MOD).returncode == -9
+    listed = cli("list", MOD, "--tree", str(tree))
+    assert listed.returncode == 0 and "finished an interrupted apply/revert" in listed.stdout
+    assert digest(tree, files) == before
+    assert mods.verify_record(tree)["mods"] == []
+
+
+def test_a_file_changed_behind_the_record_is_caught(tree: Path, mod: mods.Mod) -> None:
+    mods.apply(tree, [mod])
+    first = tree / mod.manifest["files"][0]
+    replace_file(first, first.read_text() + "\n# edited by hand\n")
+    with pytest.raises(mods.ModError, match="differ from its mods record"):
+        mods.verify_record(tree)
+
+
+def test_an_unreadable_record_stops_apply_before_any_file_changes(
+    tree: Path, mod: mods.Mod
+) -> None:
+    files = mod.manifest["files"]
+    before = digest(tree, files)
+    mods.mods_record_path(tree).write_text('{"mods": [{"na')  # truncated
+    with pytest.raises(mods.ModError, match="unreadable mods record"):
+        mods.apply(tree, [mod])
+    assert digest(tree, files) == before
+    assert not list(tree.rglob("*.kit-tmp"))
+
+
+def test_missing_pins_stop_apply_before_any_file_changes(
+    tree: Path, mod: mods.Mod, tmp_path: Path, monkeypatch
+) -> None:
+    files = mod.manifest["files"]
+    before = digest(tree, files)
+    real = mods.pins.file_sha256
+    monkeypatch.setattr(mods.pins, "file_sha256", lambda path=tmp_path / "pins.toml": real(path))
+    with pytest.raises(mods.ModError, match="cannot read the pins.*Nothing was changed"):
+        mods.apply(tree, [mod])
+    assert digest(tree, files) == before
+    assert mods.verify_record(tree)["mods"] == []
