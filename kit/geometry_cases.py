@@ -16,14 +16,16 @@ def anchors(block: int) -> dict[str, int]:
     return {"inside": 10 * UNIT, "boundary": block, "beyond": block + 10 * UNIT}
 
 
-def all_cases() -> list[tuple[str, Case]]:
+def all_cases(checkpoints: str = "split") -> list[tuple[str, Case]]:
+    """The grid; ``checkpoints``: the regime (``geometry_model.REGIMES``) every case runs in.
+    Case ids are the same in every regime."""
     out = []
     for block in BLOCKS:
         for where, anchor in anchors(block).items():
             for r in RESIDUES:
                 for k in NUM_SPEC:
                     for tail in TAILS:
-                        case = Case(Geometry(block, UNIT, k), anchor + r, tail)
+                        case = Case(Geometry(block, UNIT, k, checkpoints=checkpoints), anchor + r, tail)
                         out.append((f"B{block}-{where}-S{case.shared}-r{r}-k{k}-U{tail}", case))
     return out
 

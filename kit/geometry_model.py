@@ -14,9 +14,21 @@ nothing is dropped. ``lookahead=L`` selects those rules; ``lookahead=0`` is the
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from math import lcm
 
 # The prefix_match_unit H the kit measures at unless a geometry says otherwise.
 UNIT = 16
+
+# How a Mamba/GDN state reaches a prefix-cache boundary (``Geometry.checkpoints``):
+# "split": the scheduler ends a prefill chunk there (every GDN backend before
+# 0.34.0's FlashInfer one, the HIP GDN kernel on gfx1151, vLLM's CPU path);
+# "internal-1": the layer exports it from inside the forward pass at any offset
+# (Mamba2's ``mamba_mixer2.py``: alignment 1); "internal-grid": the same on a grid
+# (0.34.0's Qwen GDN on FlashInfer: alignment lcm(H, 64),
+# ``get_mamba_prefill_checkpoint_grid``).
+REGIMES = ("split", "internal-1", "internal-grid")
+# FlashInfer's GDN prefill exports states every 64 tokens.
+FLASHINFER_GDN_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -28,8 +40,13 @@ class Geometry:
     unit: int = UNIT  # H, prefix_match_unit
     num_spec: int = 0  # k draft tokens; 0 = no speculative decoding
     budget: int = 8192  # tokens one step may schedule (max_num_batched_tokens)
+    checkpoints: str = "split"  # one of REGIMES: how the layer materialises a state
 
     def __post_init__(self) -> None:
+        if self.checkpoints not in REGIMES:
+            raise ValueError(
+                f"checkpoint regime {self.checkpoints!r} is not one of {', '.join(REGIMES)}"
+            )
         if self.block % self.unit:
             raise ValueError(
                 f"block {self.block} is not divisible by prefix_match_unit {self.unit}; "
@@ -45,6 +62,15 @@ class Geometry:
     @property
     def eagle(self) -> bool:
         return self.num_spec > 0
+
+    @property
+    def checkpoint_alignment(self) -> int | None:
+        """``MambaSpec.prefill_checkpoint_alignment`` the layer declares (None: split path)."""
+        if self.checkpoints == "internal-1":
+            return 1
+        if self.checkpoints == "internal-grid":
+            return lcm(self.unit, FLASHINFER_GDN_CHUNK)
+        return None
 
 
 @dataclass(frozen=True)
@@ -177,15 +203,88 @@ def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
     return Checkpoints(last_block, tail, max(tail - h, 0), block_pred)
 
 
+def checkpoint_position(num_tokens: int, case: Case, lookahead: int = 0) -> int:
+    """The prompt checkpoint of ``num_tokens`` tokens (vLLM's
+    ``get_mamba_prefill_checkpoint_position`` at the hash unit): the last unit
+    boundary a resend may resume at, less EAGLE's unit under the 0.32.0 hashing."""
+    h = case.unit
+    if case.eagle and not lookahead:
+        return max(num_tokens // h * h - h, 0)
+    return max((num_tokens - max(1, lookahead)) // h * h, 0)
+
+
+def _exportable(case: Case, start: int, end: int, position: int) -> bool:
+    """vLLM's ``is_mamba_prefill_checkpoint_valid`` for the layer's alignment.
+
+    The chunk starts on a hash boundary at least one unit below the position,
+    the position sits on the alignment from the chunk start, and the chunk
+    reaches past the block after the one its initial state lives in (the state
+    is written into the block before the chunk's last one).
+    """
+    align = case.geometry.checkpoint_alignment
+    b, h = case.block, case.unit
+    return (
+        align is not None
+        and start % h == 0
+        and -(-end // b) - 2 > (start - 1) // b
+        and start + h <= position
+        and start < position < end
+        and (position - start) % align == 0
+    )
+
+
+def internal_checkpoint(case: Case, start: int, lookahead: int = 0) -> int:
+    """The state the layer exports inside the prompt's final chunk ``[start, N)``, or 0.
+
+    The scheduler then ends no chunk inside it: no tail stop, no block-boundary
+    stops, none of the fix's stops.
+    """
+    n = case.producer_len
+    position = checkpoint_position(n, case, lookahead if case.eagle else 0)
+    return position if _exportable(case, start, n, position) else 0
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A's prefill: chunk ends, the states its layer exports and keeps, the chunk ends
+    whose own state the cache manager never publishes."""
+
+    ends: tuple[int, ...]
+    kept_exports: tuple[int, ...] = ()
+    unpublished_ends: tuple[int, ...] = ()
+
+
 def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
+    return producer_prefill(case, patched, lookahead).ends
+
+
+def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
+    """A's chunks as the scheduler cuts them, and what the cache manager publishes.
+
+    Internal regimes: besides the final chunk's export, the manager reserves a
+    checkpoint for *every* chunk that could export one at its own end's
+    checkpoint position (dense retention ignores where the prefill ends), and
+    the worker writes it. Kept only when it is the prompt checkpoint or a block
+    boundary; otherwise the manager drops it. Either way the chunk end's own
+    partial state is not published (``_cache_partial_tail_block`` returns after
+    the checkpoint): a prompt tail the scheduler stopped at is lost.
+    """
     n, b = case.producer_len, case.block
+    lookahead = lookahead if case.eagle else 0
     cp = _checkpoints(case, patched, lookahead)
     stops = [cp.last_block]
     stops += [p for p in (cp.tail,) if cp.last_block < p < n]
     # The fix's stops may lie inside the block below the last block checkpoint.
     stops += [p for p in cp.extra() if cp.last_block - b < p < n]
-    ends, start = [], 0
+    ends: list[int] = []
+    kept: list[int] = []
+    unpublished: list[int] = []
+    start = 0
     while start < n:
+        exported = internal_checkpoint(case, start, lookahead) if n - start <= case.budget else 0
+        if exported:
+            # The final chunk exports the prompt checkpoint.
+            return Prefill((*ends, n), (*kept, exported), tuple(unpublished))
         inside = [s for s in stops if start < s < n]
         if start % b:
             next_boundary = (start // b + 1) * b
@@ -195,9 +294,15 @@ def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[
         if end - start > case.budget:
             # Align mode cuts a chunk the budget cannot finish at a block boundary.
             end = (start + case.budget) // b * b
+        position = checkpoint_position(end, case, lookahead)
+        if _exportable(case, start, end, position):
+            # The manager publishes the export (or drops it), never the chunk end.
+            unpublished.append(end)
+            if position == cp.tail or position % b == 0:
+                kept.append(position)
         ends.append(end)
         start = end
-    return tuple(ends)
+    return Prefill(tuple(ends), tuple(kept), tuple(unpublished))
 
 
 def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
@@ -220,11 +325,26 @@ def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
     """``lookahead``: tokens each hash covers past its unit (0: the 0.32.0 hashing)."""
     b, h, s = case.block, case.unit, case.shared
     lookahead = lookahead if case.eagle else 0
-    ends = producer_chunk_ends(case, patched, lookahead)
+    prefill = producer_prefill(case, patched, lookahead)
+    ends = prefill.ends
     cp = _checkpoints(case, patched, lookahead)
-    mamba_partials = tuple(sorted({p for p in (cp.tail, *cp.extra()) if p in ends and p % b}))
+    exported = set(prefill.kept_exports)
+    mamba_partials = tuple(
+        sorted(
+            {
+                p
+                for p in (cp.tail, *cp.extra())
+                if p in ends and p % b and p not in prefill.unpublished_ends
+            }
+            | {p for p in exported if p % b}
+        )
+    )
     # Mamba states A leaves behind: block-aligned chunk ends and its checkpoints.
-    states = {e for e in ends if e % b == 0 and e < case.producer_len} | set(mamba_partials)
+    states = (
+        {e for e in ends if e % b == 0 and e < case.producer_len}
+        | set(mamba_partials)
+        | set(exported)
+    )
     # B's keys match while their lookahead tokens are shared too.
     base = lookahead_ideal(case, lookahead) if lookahead else s // h * h
     block_floor = max(s - lookahead, 0) // b * b

@@ -152,6 +152,10 @@ def kv_cache_config(geo: Geometry, num_blocks: int) -> KVCacheConfig:
                     dtypes=(torch.float32,),
                     mamba_cache_mode="align",
                     num_speculative_blocks=geo.num_spec,
+                    # The internal regimes: the layer exports one state per prefill
+                    # from inside the forward pass (as Mamba2 and FlashInfer GDN declare).
+                    num_prefill_checkpoint_blocks=int(geo.checkpoint_alignment is not None),
+                    prefill_checkpoint_alignment=geo.checkpoint_alignment,
                 ),
             ),
         ],
@@ -181,6 +185,57 @@ class MambaStateLedger:
     def record_step(self, request: Request, mamba_block_ids: list[int], end: int) -> None:
         block_id = mamba_block_ids[(end - 1) // self.block_size]
         self.prefix_of_block[block_id] = tuple(request.all_token_ids[:end])
+
+    def record_export(self, request: Request, block_id: int, position: int) -> None:
+        """An internal checkpoint: the layer wrote the state after ``position`` tokens."""
+        self.prefix_of_block[block_id] = tuple(request.all_token_ids[:position])
+
+
+class CheckpointWriter:
+    """Where the worker exports internal prefill checkpoints in a step.
+
+    Runs vLLM's own ``MambaPrefillCheckpointBuilder`` (what the Mamba2 and GDN
+    metadata builders call, in lockstep with the scheduler and ``MambaManager``)
+    on the step's sequence and query lengths and the requests' Mamba block table.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, spec: MambaSpec) -> None:
+        from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointBuilder
+
+        self.builder = MambaPrefillCheckpointBuilder(vllm_config, spec)
+
+    def exports(self, rows: list[tuple[Request, int, list[int]]]) -> list[tuple[Request, int, int]]:
+        """``rows``: (request, tokens scheduled this step, its Mamba block ids), after
+        ``schedule()``; returns (request, block id, checkpoint position) per export."""
+        from types import SimpleNamespace
+
+        if not rows:
+            return []
+        seq_lens = [req.num_computed_tokens for req, _, _ in rows]
+        starts = [0]
+        for _, n, _ in rows:
+            starts.append(starts[-1] + n)
+        width = max(len(ids) for _, _, ids in rows)
+        table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int64)
+        for i, (_, _, ids) in enumerate(rows):
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        loc = torch.tensor(starts, dtype=torch.int32)
+        meta = SimpleNamespace(
+            seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc_cpu=loc,
+            query_start_loc=loc,
+            block_table_tensor=table,
+        )
+        built = self.builder.build(meta, list(range(len(rows))))
+        if built is None:
+            return []
+        out = []
+        for i, (req, n, _) in enumerate(rows):
+            offset = int(built.checkpoint_offsets[i])
+            if offset:
+                start = seq_lens[i] - n
+                out.append((req, int(built.state_indices[i]), start + offset))
+        return out
 
 
 @dataclass
@@ -238,6 +293,17 @@ class SchedulerRig:
         self.manager = self.scheduler.kv_cache_manager
         self.coordinator = self.manager.coordinator
         self.ledger = MambaStateLedger(geo.block)
+        # The engine core resolves these for the workers; the checkpoint builder reads them.
+        cache = self.vllm_config.cache_config
+        cache.hash_block_size = geo.unit
+        cache.cache_hit_alignment_tokens = self.coordinator._cache_hit_alignment_tokens
+        self.exporter = (
+            CheckpointWriter(
+                self.vllm_config, self.kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
+            )
+            if geo.checkpoint_alignment is not None
+            else None
+        )
         # Releases after 0.32.0 hash each unit together with the tokens the drafter
         # reads past it (lookahead hashes); the engine builds its hasher so.
         lookahead = getattr(self.vllm_config, "num_hash_lookahead_tokens", 0)
@@ -332,12 +398,11 @@ class SchedulerRig:
             for new in out.scheduled_new_reqs:
                 if new.req_id == request.request_id:
                     record = self._resume_record(request, new.num_computed_tokens)
+            self.record_writes(out)
             for req_id in out.num_scheduled_tokens:
                 req = self.scheduler.requests[req_id]
                 # schedule() has already advanced num_computed_tokens.
                 end = req.num_computed_tokens
-                mamba_ids = self.manager.get_block_ids(req_id)[MAMBA_GROUP]
-                self.ledger.record_step(req, mamba_ids, end)
                 if end <= req.num_prompt_tokens:
                     ends.append(end)
                 sampled.append([self.reply_token(req)] if end >= req.num_tokens else [])
@@ -362,6 +427,23 @@ class SchedulerRig:
         record.final_computed = request.num_computed_tokens
         self.chunk_ends[request.request_id] = ends
         return record
+
+    def record_writes(self, out) -> None:
+        """The Mamba states one step writes: internal checkpoints, then each running state."""
+        rows = [
+            (
+                self.scheduler.requests[req_id],
+                n,
+                self.manager.get_block_ids(req_id)[MAMBA_GROUP],
+            )
+            for req_id, n in out.num_scheduled_tokens.items()
+        ]
+        if self.exporter is not None:
+            for req, block_id, position in self.exporter.exports(rows):
+                self.ledger.record_export(req, block_id, position)
+        for req, _, mamba_ids in rows:
+            # schedule() has already advanced num_computed_tokens.
+            self.ledger.record_step(req, mamba_ids, req.num_computed_tokens)
 
     def _resume_record(self, req: Request, hit: int) -> ResumeRecord:
         prefix = None
