@@ -253,6 +253,8 @@ def _problem(store: Path, entry: Entry, f: LockedFile, full: bool) -> str | None
     if not full and stamp.is_file() and stamp.read_text() == expected_stamp:
         return None
     if file_sha256(path) != f.sha256:
+        # The fast check must not pass this file again on the old stamp's word.
+        stamp.unlink(missing_ok=True)
         return "sha256 differs from the lock (corrupt)"
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(expected_stamp)
@@ -283,12 +285,44 @@ def export(entries: list[Entry], store: Path, tarball: Path) -> None:
     tmp.replace(tarball)
 
 
+def _links_stay_inside(root: Path) -> None:
+    """Every symlink under ``root`` resolves inside ``root`` (the HF layout links
+    snapshots to ../../blobs; nothing may point out of the store)."""
+    inside = root.resolve()
+    for path in root.rglob("*"):
+        if path.is_symlink():
+            target = (path.parent / os.readlink(path)).resolve()
+            if not target.is_relative_to(inside):
+                raise VerifyError(
+                    f"refused: {path.relative_to(root)} links to {os.readlink(path)}, outside "
+                    "the store; the archive is not a kit model export. Nothing was imported"
+                )
+
+
 def import_(entries: list[Entry], store: Path, tarball: Path) -> None:
-    """Unpack into a scratch store, verify every locked file, then move into place."""
+    """Unpack into a scratch store, verify every locked file, then move into place.
+
+    The archive is untrusted: tar's "data" filter refuses absolute paths, ``..``,
+    device nodes and links that leave the scratch folder, and every link left must
+    resolve inside it."""
+    if not entries:
+        raise LockError("no model selected to import; name one with --model or --target")
     store.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=store) as scratch:
-        with tarfile.open(tarball) as tar:
-            tar.extractall(scratch, filter="tar")
+        try:
+            with tarfile.open(tarball) as tar:
+                tar.extractall(scratch, filter="data")
+        except tarfile.FilterError as exc:
+            raise VerifyError(
+                f"{tarball}: refused ({exc}); the archive is not a kit model export. "
+                "Nothing was imported"
+            ) from exc
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise VerifyError(
+                f"{tarball}: not a readable tar.gz ({exc}); write it again with "
+                "'make export-models'. Nothing was imported"
+            ) from exc
+        _links_stay_inside(Path(scratch))
         verify(entries, Path(scratch), full=True)
         for entry in entries:
             name = snapshot(store, entry).parent.parent.name
@@ -297,6 +331,15 @@ def import_(entries: list[Entry], store: Path, tarball: Path) -> None:
                 shutil.rmtree(dest)
             os.replace(Path(scratch) / name, dest)
     verify(entries, store, full=True)
+
+
+def _offline(exc: OSError, what: str) -> str:
+    """huggingface_hub raises requests' connection errors (OSError subclasses)."""
+    return (
+        f"cannot reach the hub to {what} ({type(exc).__name__}: {str(exc)[:200]}); "
+        "run this on a machine with hub access (or set HF_ENDPOINT to a mirror), "
+        "then carry the store over with 'make export-models' / 'make import-models'"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,19 +376,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "lock":
-            changed = lock(args.lock_file, args.model, args.ref)
+            try:
+                changed = lock(args.lock_file, args.model, args.ref)
+            except OSError as exc:
+                raise LockError(_offline(exc, "lock")) from exc
             print(f"updated: {', '.join(changed)}" if changed else "lock unchanged")
             return 0
         _, entries = load(args.lock_file)
         chosen = select(entries, args.model, args.target)
         if not args.model:
             chosen = [e for e in chosen if e.enabled]
+        if not chosen and args.cmd != "list":
+            where = f" for target {args.target}" if args.target else ""
+            raise LockError(
+                f"no enabled model in {args.lock_file.name}{where}: nothing to {args.cmd}. "
+                + (
+                    "The cpu target serves the tiny generated model (make tiny-model), which "
+                    "is not locked; "
+                    if args.target == "cpu"
+                    else ""
+                )
+                + "name an entry with MODEL=<key> or a target with TARGET=gb10|strix"
+            )
         if args.cmd == "list":
             for e in chosen:
                 state = "pinned" if e.pinned else UNRESOLVED
                 print(f"{e.key:24s} {e.repo:36s} {state:10s} targets={','.join(e.targets)}")
         elif args.cmd == "fetch":
-            fetch(chosen, args.store, args.workers)
+            try:
+                fetch(chosen, args.store, args.workers)
+            except OSError as exc:
+                raise LockError(_offline(exc, "fetch")) from exc
             print(f"fetched and verified {len(chosen)} model(s) in {args.store}")
         elif args.cmd == "verify":
             verify(chosen, args.store, full=args.full)
