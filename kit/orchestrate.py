@@ -381,8 +381,8 @@ def run(plan: argparse.Namespace) -> Path:
     if plan.vllm:
         # Refuse early what cannot be built (the cpu image has no later release).
         images.build_args(plan.target, plan.vllm)
-        spec = releases.release_pins(plan.vllm)
-        sdist = sdists.fetch(plan.vllm, spec["sdist_url"], spec["sdist_sha256"])
+        releases.release_pins(plan.vllm)
+        sdist = sdists.release(plan.vllm)
         upstream_tests = upstream_suite.extract_tests(sdist, plan.vllm)
     else:
         upstream_tests = upstream_suite.extract_tests(sdists.pinned())

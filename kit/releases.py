@@ -35,7 +35,7 @@ def known() -> dict[str, dict]:
 def newest() -> str:
     """The highest release in pins.toml [releases]."""
     if not known():
-        raise ReleaseError("pins.toml has no [releases]; add one with its sdist_url and sha256")
+        raise ReleaseError("pins.toml has no [releases]; add one with its tag and sdist_sha256")
     return max(known(), key=lambda v: tuple(int(x) for x in v.split(".")))
 
 
@@ -45,7 +45,7 @@ def release_pins(version: str) -> dict:
         names = ", ".join(sorted(releases)) or "none"
         raise ReleaseError(
             f"vLLM {version} is not in pins.toml [releases] (known: {names}); add its "
-            "sdist_url and sdist_sha256 there first"
+            "tag and sdist_sha256 there first"
         )
     return releases[version]
 
@@ -84,7 +84,7 @@ def ensure_tree(version: str, stage: str = "unpatched") -> Path:
     }
 
     def fill(build: Path) -> None:
-        sdist = sdists.fetch(version, spec["sdist_url"], spec["sdist_sha256"])
+        sdist = sdists.release(version)
         sdists.unpack(sdist, version, "vllm", build)
         if patch_mods:
             mods.apply(build / "vllm", patch_mods)

@@ -1,6 +1,7 @@
 """`make upstream-suite`: vLLM's own tests/v1/core/prefix_cache against both trees.
 
-The tests come from the release's source distribution on PyPI (sha256 checked):
+The tests come from the release's source distribution (through pip's configured
+index, sha256 checked):
 the pinned release by default, ``--vllm <release>`` (`make upstream-suite
 VLLM=0.34.0`) a later one from pins.toml [releases], run against that release's
 trees (kit/releases.py). The patched tree must pass every case the
@@ -231,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.vllm == "newest":
             args.vllm = releases.newest()
         if args.vllm and args.vllm != pins.get("vllm.version"):
-            spec = releases.release_pins(args.vllm)
-            sdist = sdists.fetch(args.vllm, spec["sdist_url"], spec["sdist_sha256"], args.sdist)
+            releases.release_pins(args.vllm)  # an unknown release: say so before any download
+            sdist = sdists.release(args.vllm, args.sdist)
             tests_dir = extract_tests(sdist, args.vllm)
             out_dir = args.out or out_dir / args.vllm
             under_test = {

@@ -23,10 +23,11 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_release_is_pinned_by_url_and_sha256() -> None:
+def test_every_release_is_pinned_by_sha256_not_by_an_index_url() -> None:
+    # The sdist comes through pip's configured index; the pin guards its bytes.
     assert releases.known(), "pins.toml has no [releases]"
     for version, spec in releases.known().items():
-        assert spec["sdist_url"].endswith(f"/vllm-{version}.tar.gz"), version
+        assert "sdist_url" not in spec, version
         assert re.fullmatch(r"[0-9a-f]{64}", spec["sdist_sha256"]), version
 
 
