@@ -1,6 +1,7 @@
 """Build the cpu image's stages with buildah where no Docker engine exists.
 
-A Debian base made with debootstrap, buildah with chroot isolation over the
+A Debian base made with debootstrap (from the Debian mirror this machine's apt
+uses, or ``KIT_DEBIAN_MIRROR``), buildah with chroot isolation over the
 kit's store (``kit.buildah_storage``: overlay where the kernel allows it, else
 vfs). The wheelhouse (`wheelhouse/`) is filled from this machine's
 pip (so torch is the CPU build) and bound into the build, which then installs
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "buildah"
 BASE_NAME = "localhost/kit-base-bookworm:debootstrap"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+APT_SOURCES = Path("/etc/apt")
+MIRROR_ENV = "KIT_DEBIAN_MIRROR"
 
 
 class BuildError(RuntimeError):
@@ -40,6 +44,52 @@ def require_tools() -> None:
         raise BuildError(f"missing {', '.join(missing)}: apt-get install -y buildah debootstrap")
 
 
+def _apt_entries(apt: Path) -> list[tuple[str, list[str]]]:
+    """(URI, suites) of every enabled ``deb`` source: one-line ``sources.list`` files
+    and deb822 ``.sources`` files."""
+    entries: list[tuple[str, list[str]]] = []
+    files = [apt / "sources.list", *sorted((apt / "sources.list.d").glob("*.list"))]
+    for path in files:
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            words = line.split("#", 1)[0].split()
+            if len(words) >= 3 and words[0] == "deb":
+                # Options in brackets ([arch=amd64 signed-by=...]) come before the URI.
+                rest = words[1:]
+                while rest and rest[0].startswith("["):
+                    closing = next((i for i, w in enumerate(rest) if w.endswith("]")), 0)
+                    rest = rest[closing + 1 :]
+                if len(rest) >= 2:
+                    entries.append((rest[0], [rest[1]]))
+    for path in sorted((apt / "sources.list.d").glob("*.sources")):
+        for stanza in path.read_text(errors="replace").split("\n\n"):
+            fields: dict[str, str] = {}
+            for line in stanza.splitlines():
+                if line.startswith("#") or ":" not in line:
+                    continue
+                key, _, value = line.partition(":")
+                fields[key.strip().lower()] = value.strip()
+            if "deb" in fields.get("types", "").split() and fields.get("enabled", "yes") != "no":
+                for uri in fields.get("uris", "").split():
+                    entries.append((uri, fields.get("suites", "").split()))
+    return entries
+
+
+def debian_mirror(suite: str, apt: Path = APT_SOURCES) -> str:
+    """The Debian archive to debootstrap ``suite`` from: ``KIT_DEBIAN_MIRROR``, else the
+    first apt source of this machine that carries that suite itself."""
+    if os.environ.get(MIRROR_ENV):
+        return os.environ[MIRROR_ENV]
+    for uri, suites in _apt_entries(apt):
+        if suite in suites:
+            return uri
+    raise BuildError(
+        f"no apt source of this machine carries Debian {suite} (looked in {apt}/sources.list "
+        f"and {apt}/sources.list.d); set {MIRROR_ENV}=<URL of a Debian archive mirror>"
+    )
+
+
 def base_image(suite: str) -> str:
     """A bookworm rootfs from debootstrap, imported once as a buildah image."""
     have = subprocess.run(
@@ -49,10 +99,11 @@ def base_image(suite: str) -> str:
     ).stdout.split()
     if BASE_NAME in have:
         return BASE_NAME
+    mirror = debian_mirror(suite)  # before anything is made: a missing one changes nothing
     rootfs = CACHE / f"rootfs-{suite}"
     shutil.rmtree(rootfs, ignore_errors=True)
     rootfs.mkdir(parents=True)
-    run(["debootstrap", "--variant=minbase", suite, str(rootfs), "http://deb.debian.org/debian"])
+    run(["debootstrap", "--variant=minbase", suite, str(rootfs), mirror])
     ctr = run(
         ["buildah", *buildah_storage.flags(), "from", "scratch"], capture_output=True, text=True
     ).stdout.strip()

@@ -236,6 +236,26 @@ class _DockerContainer(Container):
             self.container.remove(force=True)
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+@contextlib.contextmanager
+def loopback_without_proxy() -> Iterator[None]:
+    """While the Docker SDK makes its client (it asks the engine's version then, before
+    ``trust_env`` can be turned off): loopback names added to ``no_proxy``."""
+    saved = {k: os.environ.get(k) for k in ("no_proxy", "NO_PROXY")}
+    for key, value in saved.items():
+        os.environ[key] = ",".join(filter(None, [value, *LOOPBACK_NAMES]))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @dataclass
 class DockerEngine(_Engine):
     """Docker or Podman (Docker-compatible API) through the Docker SDK."""
@@ -248,7 +268,11 @@ class DockerEngine(_Engine):
         import docker
 
         try:
-            self.client = docker.from_env()
+            with loopback_without_proxy():
+                self.client = docker.from_env()
+            # The engine's API on this machine never goes through a web proxy
+            # (requests would follow http_proxy to a tcp://127.0.0.1 DOCKER_HOST).
+            self.client.api.trust_env = False
             self.client.ping()
         except docker.errors.DockerException as exc:
             raise EngineUnavailable(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kit.containers import (
@@ -11,6 +13,7 @@ from kit.containers import (
     EngineUnavailable,
     host_gids,
 )
+from tests.netprobe import PROBE, host_listener
 
 pytestmark = pytest.mark.cpu
 
@@ -60,18 +63,58 @@ def test_buildah_engine_refuses_gpu_specs() -> None:
         BuildahEngine().run("any", ["true"], RUN_SPECS["gb10"])
 
 
-# Exits 0 only when no connection to the outside can be made.
-OFFLINE_PROBE = (
-    "import socket, sys\n"
-    "try:\n    socket.create_connection(('pypi.org', 443), 3)\n"
-    "except OSError:\n    sys.exit(0)\n"
-    "sys.exit(1)"
-)
-
-
 @pytest.mark.container
 def test_buildah_engine_runs_offline_in_the_cpu_image(cpu_images) -> None:
-    with BuildahEngine() as engine:
-        done = engine.run(cpu_images["patched"], ["python", "-c", OFFLINE_PROBE], RUN_SPECS["cpu"])
+    # No default route, and this machine's own address unreachable: cut, proven
+    # without contacting any host outside this machine.
+    with host_listener() as (address, port), BuildahEngine() as engine:
+        probe = PROBE.format(address=address, port=port)
+        done = engine.run(cpu_images["patched"], ["python", "-c", probe], RUN_SPECS["cpu"])
         assert done.returncode == 0, done.output  # the network is cut off
     assert not engine.started and not engine.processes  # nothing left behind
+
+
+def test_docker_engine_on_loopback_ignores_a_dead_proxy(monkeypatch) -> None:
+    """A Docker-compatible API on 127.0.0.1 (a stand-in answering the SDK's version and
+    ping calls) is reached directly although every proxy variable names a dead proxy."""
+    import json
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Engine(BaseHTTPRequestHandler):
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            body = (
+                b"OK"
+                if self.path.endswith("/_ping")
+                else json.dumps({"ApiVersion": "1.44", "Version": "stand-in"}).encode()
+            )
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening
+    proxy = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, proxy)
+    for name in ("no_proxy", "NO_PROXY", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DOCKER_HOST", f"tcp://127.0.0.1:{httpd.server_address[1]}")
+    try:
+        engine = DockerEngine()
+        engine.client.ping()
+    finally:
+        httpd.shutdown()
+        dead.close()
+    assert any(p.endswith("/_ping") for p in seen)
+    assert "no_proxy" not in os.environ  # the SDK's set-up left the environment as it was

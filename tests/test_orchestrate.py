@@ -19,6 +19,7 @@ import pytest
 
 from kit import buildah_storage, hostcheck, images, orchestrate, upstream_suite
 from kit.containers import RUN_SPECS, BuildahEngine
+from tests.netprobe import host_listener
 
 pytestmark = pytest.mark.cpu
 HOSTS = Path(__file__).parent / "data" / "hosts"
@@ -137,7 +138,7 @@ FETCH = (
     "    except OSError:\n"
     "        time.sleep(0.5)\n"
     "try:\n"
-    "    socket.create_connection(('pypi.org', 443), 3); sys.exit(3)\n"
+    "    socket.create_connection(('{outside}', {port}), 3); sys.exit(3)\n"
     "except OSError:\n"
     "    pass\n"
     "sys.exit(0 if body == b'kit' else 2)\n"
@@ -147,13 +148,15 @@ FETCH = (
 @pytest.mark.container
 def test_containers_on_one_network_reach_each_other_and_nothing_else(cpu_images) -> None:
     refs = cpu_images
-    with BuildahEngine() as engine, engine.network() as net:
+    # "Nothing else" is this machine's own address (a listener it reaches itself):
+    # no host outside this machine is contacted to prove the cut.
+    with host_listener() as (outside, port), BuildahEngine() as engine, engine.network() as net:
         server = engine.start(
             refs["unpatched"], ["python", "-c", SERVE], RUN_SPECS["cpu"], "srv", network=net
         )
         done = engine.run(
             refs["patched"],
-            ["python", "-c", FETCH.format(host=net.address("srv"))],
+            ["python", "-c", FETCH.format(host=net.address("srv"), outside=outside, port=port)],
             RUN_SPECS["cpu"],
             network=net,
             timeout=120,
