@@ -25,7 +25,9 @@ def all_cases(checkpoints: str = "split") -> list[tuple[str, Case]]:
             for r in RESIDUES:
                 for k in NUM_SPEC:
                     for tail in TAILS:
-                        case = Case(Geometry(block, UNIT, k, checkpoints=checkpoints), anchor + r, tail)
+                        case = Case(
+                            Geometry(block, UNIT, k, checkpoints=checkpoints), anchor + r, tail
+                        )
                         out.append((f"B{block}-{where}-S{case.shared}-r{r}-k{k}-U{tail}", case))
     return out
 

@@ -21,14 +21,16 @@ from pathlib import Path
 
 from kit import bundle, pins, trees
 from kit.geometry_cases import all_cases
-from kit.geometry_model import Case, expected, lookahead_ideal
+from kit.geometry_model import REGIMES, Case, expected, lookahead_ideal
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "results" / "regression"
 
 
-def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
-    """Run in a process whose ``vllm`` is the tree under test."""
+def measure(
+    model_dir: Path, fix: bool, lookahead_hashes: bool = True, checkpoints: str = "split"
+) -> dict:
+    """Run in a process whose ``vllm`` is the tree under test; ``checkpoints``: the regime."""
     import vllm
 
     if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
@@ -38,7 +40,7 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
 
     rows = {}
     geometry = {}
-    for case_id, case in all_cases():
+    for case_id, case in all_cases(checkpoints):
         rig, a, b, bounds = run_case(model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes)
         rows[case_id] = {
             "a_chunk_ends": rig.chunk_ends[a.request_id],
@@ -51,14 +53,25 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool = True) -> dict:
             "hash_lookahead": getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0),
         }
         geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
-    return {"vllm_file": vllm.__file__, "rows": rows, "geometry": geometry}
+    return {
+        "vllm_file": vllm.__file__,
+        "checkpoints": checkpoints,
+        "rows": rows,
+        "geometry": geometry,
+    }
 
 
-def measure_on(tree: trees.Tree, model_dir: Path, fix: bool, legacy_hashes: bool = False) -> dict:
+def measure_on(
+    tree: trees.Tree,
+    model_dir: Path,
+    fix: bool,
+    legacy_hashes: bool = False,
+    checkpoints: str = "split",
+) -> dict:
     """Every geometry, measured in a subprocess that imports exactly this tree's vllm."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kit.regress", "measure", "--model-dir", str(model_dir)]
-        cmd += ["--out", out.name]
+        cmd += ["--out", out.name, "--checkpoints", checkpoints]
         cmd += ["--fix"] if fix else []
         cmd += ["--legacy-hashes"] if legacy_hashes else []
         subprocess.run(cmd, check=True, env=tree.env(VLLM_LOGGING_LEVEL="ERROR"), cwd=ROOT)
@@ -70,14 +83,14 @@ def measure_on(tree: trees.Tree, model_dir: Path, fix: bool, legacy_hashes: bool
 
 
 def measure_many(
-    runs: dict[Hashable, tuple[trees.Tree, bool, bool]], model_dir: Path
+    runs: dict[Hashable, tuple[trees.Tree, bool, bool, str]], model_dir: Path
 ) -> dict[Hashable, dict]:
-    """``measure_on(tree, model_dir, fix, legacy_hashes)`` for each key, as many at
-    once as there are cores: each is its own single-threaded process."""
+    """``measure_on(tree, model_dir, fix, legacy_hashes, checkpoints)`` for each key, as
+    many at once as there are cores: each is its own single-threaded process."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         jobs = {
-            key: pool.submit(measure_on, tree, model_dir, fix, legacy)
-            for key, (tree, fix, legacy) in runs.items()
+            key: pool.submit(measure_on, tree, model_dir, fix, legacy, regime)
+            for key, (tree, fix, legacy, regime) in runs.items()
         }
         return {key: job.result() for key, job in jobs.items()}
 
@@ -132,10 +145,10 @@ def loss_totals(losses: list[int | None]) -> dict[str, int]:
     }
 
 
-def build_report(unpatched: dict, patched: dict) -> dict:
+def build_report(unpatched: dict, patched: dict, checkpoints: str = "split") -> dict:
     rows = []
     plain_of = without_speculation()
-    for case_id, case in all_cases():
+    for case_id, case in all_cases(checkpoints):
         u, p = unpatched["rows"][case_id], patched["rows"][case_id]
         want = expected(case, patched=True)
         plain = plain_of[case_id]
@@ -169,6 +182,7 @@ def build_report(unpatched: dict, patched: dict) -> dict:
         )
     return {
         "unit": all_cases()[0][1].unit,
+        "checkpoints": checkpoints,
         "rows": rows,
         "summary": dict(Counter(r["verdict"] for r in rows)),
         "eagle_specific_loss": {
@@ -183,6 +197,20 @@ def build_report(unpatched: dict, patched: dict) -> dict:
             "vllm_version": pins.get("vllm.version"),
         },
     }
+
+
+REGIME_NOTE = (
+    "Checkpoint regimes: `split` = the scheduler ends a prefill chunk where a Mamba/GDN "
+    "state is kept (vLLM's CPU and Triton GDN paths, HIP GDN on gfx1151); `internal-1` = the "
+    "layer exports the state from inside one forward pass at any offset (Mamba2, e.g. "
+    "Nemotron-H); `internal-grid` = the same on lcm(H, 64) (Qwen GDN on FlashInfer: 0.34.0 "
+    "on Hopper, Blackwell and GB10)."
+)
+
+
+def regime_dir(out: Path, regime: str) -> Path:
+    """The split tables stay where they always were; the internal ones beside them."""
+    return out if regime == "split" else out / regime
 
 
 COLUMNS = (
@@ -201,7 +229,10 @@ def render_markdown(report: dict) -> str:
     from tabulate import tabulate
 
     lines = [
-        f"# Regression: follow-up resume under EAGLE/MTP, vLLM {report['run']['vllm_version']}",
+        f"# Regression: follow-up resume under EAGLE/MTP, vLLM {report['run']['vllm_version']}, "
+        f"checkpoint regime `{report.get('checkpoints', 'split')}`",
+        "",
+        REGIME_NOTE,
         "",
         f"H = {report['unit']}. `ideal` = floor(S/H)*H, less H under EAGLE (k > 0). "
         "`heuristic_covers` = U < 2H - (S mod H) under EAGLE.",
@@ -233,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument(
         "--legacy-hashes", action="store_true", help="disable lookahead block hashes (0.33.0+)"
     )
+    m.add_argument("--checkpoints", choices=REGIMES, default="split", help="checkpoint regime")
     parser.add_argument(
         "--vllm",
         metavar="VERSION",
@@ -249,7 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "measure":
         args.out.write_text(
-            json.dumps(measure(args.model_dir, args.fix, lookahead_hashes=not args.legacy_hashes))
+            json.dumps(
+                measure(
+                    args.model_dir,
+                    args.fix,
+                    lookahead_hashes=not args.legacy_hashes,
+                    checkpoints=args.checkpoints,
+                )
+            )
         )
         return 0
     if args.vllm and args.vllm != pins.get("vllm.version"):
@@ -263,18 +302,31 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "tiny")
-        runs = {name: (trees.pinned(name), name == "patched", False) for name in trees.TREE_NAMES}
+        runs = {
+            (name, regime): (trees.pinned(name), name == "patched", False, regime)
+            for name in trees.TREE_NAMES
+            for regime in REGIMES
+        }
         measured = measure_many(runs, model_dir)
-        unpatched, patched = measured["unpatched"], measured["patched"]
-    report = build_report(unpatched, patched)
-    bundle.write_regression(args.out, report, render_markdown(report))
-    if not args.quiet:
-        print(tabulate([[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS))
-    print(f"summary: {report['summary']}  geometry identical: {report['geometry_identical']}")
-    print(f"EAGLE-specific loss (cases, tokens) per tree: {report['eagle_specific_loss']}")
-    print(f"wrote {args.out / 'regression.json'} and regression.md")
-    bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
-    return 1 if bad or not report["geometry_identical"] else 0
+    failed = False
+    for regime in REGIMES:
+        report = build_report(measured["unpatched", regime], measured["patched", regime], regime)
+        out = regime_dir(args.out, regime)
+        bundle.write_regression(out, report, render_markdown(report))
+        if not args.quiet:
+            print(tabulate([[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS))
+        print(
+            f"[{regime}] summary: {report['summary']}  "
+            f"geometry identical: {report['geometry_identical']}"
+        )
+        print(
+            f"[{regime}] EAGLE-specific loss (cases, tokens) per tree: "
+            f"{report['eagle_specific_loss']}"
+        )
+        print(f"[{regime}] wrote {out / 'regression.json'} and regression.md")
+        bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
+        failed |= bool(bad) or not report["geometry_identical"]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

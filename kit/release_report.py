@@ -28,8 +28,15 @@ from pathlib import Path
 
 from kit import bundle, pins, releases
 from kit.geometry_cases import all_cases
-from kit.geometry_model import Case, expected, lookahead_ideal
-from kit.regress import eagle_specific_loss, loss_totals, measure_many, without_speculation
+from kit.geometry_model import REGIMES, Case, expected, lookahead_ideal
+from kit.regress import (
+    REGIME_NOTE,
+    eagle_specific_loss,
+    loss_totals,
+    measure_many,
+    regime_dir,
+    without_speculation,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("lookahead", "legacy")
@@ -44,8 +51,8 @@ def verdict(case: Case, stage: str, row: dict) -> str:
     return "ok" if row["hit"] >= lookahead_ideal(case, row["hash_lookahead"]) else "loss"
 
 
-def build(version: str, measured: dict[tuple[str, str], dict]) -> dict:
-    cases = all_cases()
+def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str = "split") -> dict:
+    cases = all_cases(checkpoints)
     plain_of = without_speculation()
     rows = []
     for case_id, case in cases:
@@ -64,6 +71,7 @@ def build(version: str, measured: dict[tuple[str, str], dict]) -> dict:
     keys = [f"{stage}/{mode}" for stage, mode in measured]
     return {
         "vllm_version": version,
+        "checkpoints": checkpoints,
         "pinned_version": pins.get("vllm.version"),
         "mods": {
             stage: [m.name for m in releases.release_mods(version, stage)]
@@ -96,9 +104,12 @@ def render(report: dict) -> str:
     return "\n".join(
         [
             f"# Regression on vLLM {report['vllm_version']} (sdist sha256 "
-            f"{report['sdist_sha256'][:12]})",
+            f"{report['sdist_sha256'][:12]}), checkpoint regime "
+            f"`{report.get('checkpoints', 'split')}`",
             "",
             __doc__.strip(),
+            "",
+            REGIME_NOTE,
             "",
             f"Mods: {mods_line}.",
             "",
@@ -112,7 +123,12 @@ def render(report: dict) -> str:
     )
 
 
-def run(version: str, quiet: bool = False, out_root: Path | None = None) -> int:
+def run(
+    version: str,
+    quiet: bool = False,
+    out_root: Path | None = None,
+    regimes: tuple[str, ...] = REGIMES,
+) -> int:
     from kit.tiny_model import write_tiny_model
 
     try:
@@ -123,20 +139,24 @@ def run(version: str, quiet: bool = False, out_root: Path | None = None) -> int:
     # Trees first, one at a time: a missing one is built, and two builders must not race.
     tree_of = {stage: releases.tree(version, stage) for stage in stage_list}
     runs = {
-        (stage, mode): (tree_of[stage], stage == "patched", mode == "legacy")
+        (stage, mode, regime): (tree_of[stage], stage == "patched", mode == "legacy", regime)
         for stage in stage_list
         for mode in MODES
+        for regime in regimes
     }
     with tempfile.TemporaryDirectory() as tmp:
         measured = measure_many(runs, write_tiny_model(Path(tmp) / "tiny"))
-    report = build(version, measured)
-    out_dir = (out_root or ROOT / "results" / "regression") / version
-    text = render(report)
-    bundle.write_regression(out_dir, report, text)
-    if not quiet:
-        print(text)
-    print(f"summary: {report['summary']}")
-    print(f"EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
-    print(f"wrote {out_dir / 'regression.json'} and regression.md")
-    bad = any({"STALE STATE", "DIFFERS"} & set(s) for s in report["summary"].values())
+    bad = False
+    for regime in regimes:
+        of_regime = {(st, mode): data for (st, mode, r), data in measured.items() if r == regime}
+        report = build(version, of_regime, regime)
+        out_dir = regime_dir((out_root or ROOT / "results" / "regression") / version, regime)
+        text = render(report)
+        bundle.write_regression(out_dir, report, text)
+        if not quiet:
+            print(text)
+        print(f"[{regime}] summary: {report['summary']}")
+        print(f"[{regime}] EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
+        print(f"[{regime}] wrote {out_dir / 'regression.json'} and regression.md")
+        bad |= any({"STALE STATE", "DIFFERS"} & set(s) for s in report["summary"].values())
     return 1 if bad else 0

@@ -406,19 +406,7 @@ class SchedulerRig:
                 if end <= req.num_prompt_tokens:
                     ends.append(end)
                 sampled.append([self.reply_token(req)] if end >= req.num_tokens else [])
-            ids = list(out.num_scheduled_tokens)
-            fields = {
-                "req_ids": ids,
-                "req_id_to_index": {rid: i for i, rid in enumerate(ids)},
-                "sampled_token_ids": sampled,
-                "logprobs": None,
-                "prompt_logprobs_dict": {},
-                "pooler_output": [],
-            }
-            # 0.34.0 dropped req_id_to_index; pass what this release declares.
-            declared = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
-            runner_out = ModelRunnerOutput(**{k: v for k, v in fields.items() if k in declared})
-            self.scheduler.update_from_output(out, runner_out)
+            self.scheduler.update_from_output(out, self._runner_output(out, sampled))
         else:
             raise RuntimeError(f"request {request.request_id} did not finish")
         assert record is not None
@@ -427,6 +415,72 @@ class SchedulerRig:
         record.final_computed = request.num_computed_tokens
         self.chunk_ends[request.request_id] = ends
         return record
+
+    def drive(self, arrivals) -> list:
+        """Run many requests at once (``kit.stress.Arrival``: added before a given step),
+        to completion; every resume and every prefill chunk is checked against the
+        ledger. Returns the ``kit.stress.Violation`` list (empty: every state right)."""
+        from kit.stress import Violation
+
+        pending = sorted(arrivals, key=lambda a: a.step)
+        live: list[Request] = []
+        violations: list[Violation] = []
+
+        def check(req: Request, step: int, kind: str, position: int) -> None:
+            mamba_ids = self.manager.get_block_ids(req.request_id)[MAMBA_GROUP]
+            held = self.ledger.prefix_of_block.get(mamba_ids[(position - 1) // self.geo.block])
+            want = tuple(req.all_token_ids[:position])
+            if held != want:
+                violations.append(
+                    Violation(
+                        req.request_id,
+                        step,
+                        kind,
+                        position,
+                        None if held is None else len(held),
+                        held is not None and want[: len(held)] == held,
+                    )
+                )
+
+        for step in range(100_000):
+            while pending and pending[0].step <= step:
+                arrival = pending.pop(0)
+                req = self.make_request(list(arrival.tokens), arrival.max_tokens)
+                self.scheduler.add_request(req)
+                live.append(req)
+            if not pending and all(r.is_finished() for r in live):
+                return violations
+            out = self.scheduler.schedule()
+            self.ledger.apply_copies(out.kv_cache_block_copies)
+            resumed = {new.req_id for new in out.scheduled_new_reqs if new.num_computed_tokens}
+            for req_id, n in out.num_scheduled_tokens.items():
+                req = self.scheduler.requests[req_id]
+                start = req.num_computed_tokens - n
+                if 0 < start < req.num_prompt_tokens:
+                    check(req, step, "resume" if req_id in resumed else "chunk", start)
+            self.record_writes(out)
+            sampled = []
+            for req_id in out.num_scheduled_tokens:
+                req = self.scheduler.requests[req_id]
+                done = req.num_computed_tokens >= req.num_tokens
+                sampled.append([self.reply_token(req)] if done else [])
+            self.scheduler.update_from_output(out, self._runner_output(out, sampled))
+        raise RuntimeError("requests did not finish in 100,000 steps")
+
+    @staticmethod
+    def _runner_output(out, sampled: list[list[int]]) -> ModelRunnerOutput:
+        ids = list(out.num_scheduled_tokens)
+        fields = {
+            "req_ids": ids,
+            "req_id_to_index": {rid: i for i, rid in enumerate(ids)},
+            "sampled_token_ids": sampled,
+            "logprobs": None,
+            "prompt_logprobs_dict": {},
+            "pooler_output": [],
+        }
+        # 0.34.0 dropped req_id_to_index; pass what this release declares.
+        declared = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        return ModelRunnerOutput(**{k: v for k, v in fields.items() if k in declared})
 
     def record_writes(self, out) -> None:
         """The Mamba states one step writes: internal checkpoints, then each running state."""
