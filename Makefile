@@ -2,8 +2,11 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
+# var PYTHON: the Python 3.11 that make setup builds .venv with (default python3.11)
 PYTHON ?= python3.11
 VENV_PY := .venv/bin/python
+# The one kit command (kit/cli.py); also .venv/bin/kit once make setup installed the kit.
+KIT := $(VENV_PY) -m kit.cli
 TREES := unpatched patched
 
 .PHONY: help setup test lint mods-list mods-drift regress upstream-suite tiny-model bench bench-cpu \
@@ -11,9 +14,14 @@ TREES := unpatched patched
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images
 
-help: ## list the targets with one line each
+help: ## list the targets and the variables they take, one line each
+	@echo "targets:"
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | \
 	  awk 'BEGIN {FS = ":.*## "}; {printf "  %-20s %s\n", $$1, $$2}'
+	@echo; echo "variables (make <target> NAME=value):"
+	@grep -hE '^# var [A-Z_]+: ' $(MAKEFILE_LIST) | \
+	  sed -E 's/^# var ([A-Z_]+): /\1\t/' | awk -F'\t' '{printf "  %-20s %s\n", $$1, $$2}'
+	@echo; echo "every job is also 'kit <job>' (.venv/bin/kit --help, or $(KIT) --help)"
 
 setup: ## create .venv with the pinned CPU vLLM and torch, and the unpatched/patched trees
 	$(PYTHON) -m kit.setup_env
@@ -39,40 +47,47 @@ lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff format --check kit tests
 
 mods-drift: setup ## every mod against every known vLLM release: applies / applied / drift, still needed
-	$(VENV_PY) -m kit.mods_drift
+	$(KIT) mods-drift
 
 mods-list: setup ## the mods and their state against both trees
-	@for tree in $(TREES); do $(VENV_PY) -m kit.mods list --tree .trees/$$tree/vllm; done
+	@for tree in $(TREES); do $(KIT) mods list --tree .trees/$$tree/vllm; done
 
 # The main job: the GPU target this host has, else the CPU default.
 HOST_TARGET := $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo gb10; \
   elif [ -e /dev/kfd ]; then echo strix; else echo cpu; fi)
+# var REPS: repetitions per context length (bench, bench-<target>; default 10)
 REPS ?= 10
+# var BENCH_ARGS: more arguments for the CPU bench (kit bench --help), e.g. --record-only
 BENCH_ARGS ?=
 
 bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs patched, on this host's target
 
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
-	$(VENV_PY) -m kit.bench --reps $(REPS) $(BENCH_ARGS)
+	$(KIT) bench --reps $(REPS) $(BENCH_ARGS)
 
+# var TURN_REPS: repetitions per tree and round of turn-cost (default 5)
 TURN_REPS ?= 5
 
 turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round)
-	$(VENV_PY) -m kit.turn_cost --reps $(TURN_REPS) --out results/turn-cost.json
+	$(KIT) turn-cost --reps $(TURN_REPS) --out results/turn-cost.json
 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
-	$(VENV_PY) -m kit.loss_sweep
+	$(KIT) loss-sweep
 
+# var BUNDLES: one results folder, or two to compare (report; default the newest bundle)
 BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
 
 report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU bundle) as Markdown
-	$(VENV_PY) -m kit.report $(BUNDLES)
+	$(KIT) report $(BUNDLES)
 
 # The container flow (kit/orchestrate.py): host check, images built or reused,
 # models verified offline, both suites inside both images, the TTFT comparison
 # on an isolated network, one bundle under results/.
+# var ENGINE: the container engine of the flow: auto, docker or buildah (default auto)
 ENGINE ?= auto
+# var NODES: machines of the container flow (default 1)
 NODES ?= 1
+# var SHARED: context lengths S of the container flow's bench, e.g. SHARED="1007 2159"
 SHARED ?=
 # VLLM=<release from pins.toml [releases]>: gb10/strix images built from that release.
 ORCH = $(VENV_PY) -m kit.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
@@ -97,16 +112,17 @@ test-strix: setup ## the regression suite and vLLM's prefix suite inside both st
 test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
 	$(ORCH) cpu --tests-only
 
+# var VLLM: a later vLLM release from pins.toml [releases] (regress, upstream-suite, images)
 VLLM ?=
 
 regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
-	$(VENV_PY) -m kit.regress $(if $(VLLM),--vllm $(VLLM))
+	$(KIT) regress $(if $(VLLM),--vllm $(VLLM))
 
 upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees (VLLM=0.33.0|0.34.0|newest: a later release's)
-	$(VENV_PY) -m kit.upstream_suite $(if $(VLLM),--vllm $(VLLM))
+	$(KIT) upstream-suite $(if $(VLLM),--vllm $(VLLM))
 
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
-	$(VENV_PY) -m kit.tiny_model --out .models/tiny-qwen3-next
+	$(KIT) tiny-model --out .models/tiny-qwen3-next
 
 build-gb10: setup ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
 	$(VENV_PY) -m kit.images gb10 $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
@@ -122,25 +138,30 @@ lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores
 
 # MODEL=<key or repo> narrows the model targets to one entry of models.lock;
 # TARGET=gb10|strix to the entries a target uses; MODELS_TAR names the tarball.
+# var MODEL: one models.lock entry (key or repo) for the model targets and bench-<target>
 MODEL ?=
+# var TARGET: the models.lock entries of one target: gb10 or strix
 TARGET ?=
+# var MODELS_TAR: the tarball of export-models / import-models (default models-export.tar.gz)
 MODELS_TAR ?= models-export.tar.gz
+# var FULL: FULL=1 makes verify-models hash every file
+# var BASE_IMAGE: the base image of build-<target>, instead of the pinned one
 MODEL_SEL = $(if $(MODEL),--model $(MODEL)) $(if $(TARGET),--target $(TARGET))
 
 lock-models: setup ## (online) resolve models.lock revisions to commits, record sizes and sha256
-	$(VENV_PY) -m kit.models lock $(if $(MODEL),--model $(MODEL))
+	$(KIT) models lock $(if $(MODEL),--model $(MODEL))
 
 fetch-models: setup ## (online) download exactly the locked files into the model store
-	$(VENV_PY) -m kit.models fetch $(MODEL_SEL)
+	$(KIT) models fetch $(MODEL_SEL)
 
 verify-models: setup ## (offline) check the store against models.lock; FULL=1 hashes every file
-	$(VENV_PY) -m kit.models verify $(MODEL_SEL) $(if $(FULL),--full)
+	$(KIT) models verify $(MODEL_SEL) $(if $(FULL),--full)
 
 export-models: setup ## (offline) write the store as $(MODELS_TAR) for an air-gapped machine
-	$(VENV_PY) -m kit.models export $(MODEL_SEL) $(MODELS_TAR)
+	$(KIT) models export $(MODEL_SEL) $(MODELS_TAR)
 
 import-models: setup ## (offline) unpack $(MODELS_TAR) into the store and verify it
-	$(VENV_PY) -m kit.models import $(MODEL_SEL) $(MODELS_TAR)
+	$(KIT) models import $(MODEL_SEL) $(MODELS_TAR)
 
 clean: ## remove the trees, caches and build outputs (keeps .venv and results/)
 	rm -rf .trees .cache .models .pytest_cache

@@ -567,9 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "apply":
             print(f"mods record: {mods_record_path(tree)}")
         return 0
-    except ModError as exc:
+    except (ModError, pins.PinError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return getattr(exc, "exit_code", 2)
 
 
 if __name__ == "__main__":

@@ -268,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:10s} {path}  ({len(mods.read_mods_record(path)['mods'])} mods, "
                 f"pins {pins.file_sha256()[:12]})"
             )
-    except mods.ModError as exc:
+    except (mods.ModError, pins.PinError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return getattr(exc, "exit_code", 2)
     return 0
 
 

@@ -322,3 +322,23 @@ def test_missing_pins_stop_apply_before_any_file_changes(
         mods.apply(tree, [mod])
     assert digest(tree, files) == before
     assert mods.verify_record(tree)["mods"] == []
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[vllm\nversion = ", "not valid TOML"),
+        ("[cpu]\ntorch = '1'\n", "no pin named 'vllm.version'"),
+    ],
+)
+def test_a_malformed_or_incomplete_pins_file_is_one_line(
+    tmp_path: Path, monkeypatch, capsys, text: str, message: str
+) -> None:
+    """`kit trees` (what make setup and make mods-list build the trees with) reads the
+    pins to pick each tree's mods."""
+    bad = tmp_path / "pins.toml"
+    bad.write_text(text)
+    real = mods.pins.load
+    monkeypatch.setattr(mods.pins, "load", lambda path=bad: real(bad))
+    assert trees.main([]) == 2
+    assert message in capsys.readouterr().err
