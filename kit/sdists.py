@@ -42,8 +42,9 @@ def sha256_pin(version: str) -> str:
     try:
         if version == pins.get("vllm.version"):
             return pins.get("vllm.sdist_sha256")
-        return pins.get(f"releases.{version}.sdist_sha256")
-    except pins.PinError as exc:
+        # Release keys hold dots ("0.34.0"): look the table up, not a dotted path.
+        return pins.load()["releases"][version]["sdist_sha256"]
+    except (pins.PinError, KeyError) as exc:
         raise SdistError(
             f"no sdist_sha256 pinned for vLLM {version} ({exc}); add it to pins.toml"
         ) from exc
