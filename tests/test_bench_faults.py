@@ -173,3 +173,40 @@ def test_out_into_an_existing_bundle_is_refused(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", str(tmp_path)])
     assert "already holds a bench run" in capsys.readouterr().err
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path: Path, monkeypatch) -> None:
+    """free_port's answer can be taken by another process before the server binds it:
+    the server's start sees "Address already in use" and starts again on another port."""
+    import socket
+
+    from kit import serve
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], serve.free_port()])
+    monkeypatch.setattr(serve, "free_port", lambda: next(ports))
+    state = tmp_path / "s"
+    state.mkdir()
+    server = serve.Server(
+        "patched",
+        [],
+        tmp_path / "log",
+        command=lambda host, port, args: [
+            sys.executable,
+            "tests/fake_server.py",
+            "--port",
+            str(port),
+            "--state",
+            str(state),
+        ],
+        startup_timeout=300,
+    )
+    try:
+        with server:
+            assert server.port != taken.getsockname()[1]
+            assert server.alive()
+    finally:
+        taken.close()
+    assert [p for p in all_pids(tmp_path) if alive(p)] == []
