@@ -1,0 +1,103 @@
+"""The kit's CPU kernels against vLLM 0.32.0's own Triton kernels (kit.kernel_check).
+
+vLLM's kernels come from the pinned sdist and run under Triton's interpreter in
+.venv-triton (built here if missing; kit/kernel_env.py). The copies must equal
+the kit's CPU port bit for bit, the CPU GDN kernel's final and per-chunk states
+FLA's within ``GDN_TOLERANCE``; and the check must fail when the CPU side is
+broken on purpose.
+
+Skipped only when .venv-triton cannot be built here (no torch CPU build or
+Triton reachable), and then only outside CI: with CI=true or
+KIT_REQUIRE_KERNEL_CHECK=1 that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kit import kernel_check, kernel_env
+
+pytestmark = [pytest.mark.cpu, pytest.mark.slow]
+
+REQUIRED = os.environ.get("CI") == "true" or os.environ.get("KIT_REQUIRE_KERNEL_CHECK") == "1"
+
+
+@pytest.fixture(scope="module")
+def triton_env() -> Path:
+    try:
+        return kernel_env.ensure()
+    except kernel_env.KernelEnvError as exc:
+        if REQUIRED:
+            pytest.fail(f".venv-triton cannot be built: {exc}")
+        pytest.skip(f".venv-triton cannot be built here: {exc}")
+
+
+def _state_fields(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-state comparisons of a copy case (state0_conv, state1_temporal, ...)."""
+    fields = [v for k, v in case.items() if k.startswith("state") and isinstance(v, dict)]
+    assert len(fields) == 4  # two layers, a conv and a temporal state each
+    return fields
+
+
+def _run(tmp_path: Path, **kwargs: Any) -> dict[str, Any]:
+    return kernel_check.run(tmp_path / "kernel-check.json", **kwargs)
+
+
+def test_cpu_ports_match_vllm_triton_kernels(triton_env: Path, tmp_path: Path) -> None:
+    result = _run(tmp_path)
+    assert result["interpreter"] and result["device"] == "cpu"
+    assert result["cpu_port"]["vllm"] == "0.32.0"
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for case in result["cases"]:
+        by_kind.setdefault(case["kind"], []).append(case)
+    assert set(by_kind) == set(kernel_check.KINDS)
+    bad = [c["name"] for c in result["cases"] if not c["ok"]]
+    assert not bad, f"differ from vLLM's kernels: {bad}; see {tmp_path / 'kernel-check.json'}"
+    for kind in ("postprocess", "precopy"):
+        for case in by_kind[kind]:
+            # Something moved in every case, and moved exactly as the kernel moves it.
+            assert case["states_changed_by_step"] > 0, case["name"]
+            assert all(s["bitwise_equal"] for s in _state_fields(case)), case["name"]
+    for case in by_kind["postprocess"]:
+        assert case["num_accepted_equal"], case["name"]
+    for case in by_kind["batch_memcpy"]:
+        assert case["buffer"]["bitwise_equal"], case["name"]
+    assert sum(c["chunk_states"]["count"] for c in by_kind["gdn"]) >= 5
+    for case in by_kind["gdn"]:
+        tol = kernel_check.GDN_TOLERANCE
+        assert case["final_state"]["max_rel"] <= tol["final_state"], case["name"]
+        assert case["chunk_states"]["max_rel"] <= tol["chunk_states"], case["name"]
+        assert case["output"]["max_rel"] <= tol["output"], case["name"]
+        # Both stay close to the exact recurrence: the agreement is not two equal mistakes.
+        for side in ("triton_vs_float64", "cpu_vs_float64"):
+            assert case[side]["final_state"]["max_rel"] < 0.01, (case["name"], side)
+
+
+def test_check_fails_when_the_post_copy_bias_is_off_by_one(
+    triton_env: Path, tmp_path: Path
+) -> None:
+    """The mod's post-copy decision with the accepted-token bias one too small."""
+    result = _run(tmp_path, perturb="align-bias", kinds={"postprocess"})
+    assert not result["ok"]
+    failed = [c for c in result["cases"] if not c["ok"]]
+    assert len(failed) >= 2
+    for case in failed:
+        assert not all(s["bitwise_equal"] for s in _state_fields(case)), case["name"]
+
+
+def test_check_fails_when_a_chunk_state_is_one_token_early(
+    triton_env: Path, tmp_path: Path
+) -> None:
+    """The CPU split schedule taking each chunk-boundary state one token short."""
+    result = _run(tmp_path, perturb="gdn-position", kinds={"gdn"})
+    assert not result["ok"]
+    tol = kernel_check.GDN_TOLERANCE
+    for case in result["cases"]:
+        assert not case["ok"], case["name"]
+        # Only the chunk states moved, and far past the tolerance.
+        assert case["chunk_states"]["max_rel"] > 10 * tol["chunk_states"], case["name"]
+        assert case["final_state"]["max_rel"] <= tol["final_state"], case["name"]
