@@ -1,8 +1,9 @@
 """`make report`: render one results bundle, or two side by side (e.g. gb10 vs strix), as Markdown.
 
-A bundle is a folder written by the bench (``bench.json`` inside). With two
-bundles the cached follow-up rows are set next to each other with their
-patched/unpatched ratios, and what each ran on (host, trees or images, mods) is listed.
+A bundle is a folder written by the bench (``bench.json`` inside, its schema
+checked). With two bundles the cached follow-up rows are set next to each other
+with their patched/unpatched ratios (``--figure PNG`` draws them), and what each
+ran on (host, trees or images, mods) is listed.
 """
 
 from __future__ import annotations
@@ -113,11 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("bundles", type=Path, nargs="+", help="one or two results folders")
     parser.add_argument("--out", type=Path, help="write the Markdown here instead of stdout")
+    parser.add_argument(
+        "--figure",
+        type=Path,
+        metavar="PNG",
+        help="with two bundles: draw their cached follow-up ratios side by side here",
+    )
     args = parser.parse_args(argv)
     if len(args.bundles) > 2:
         parser.error("give one bundle, or two to compare")
+    if args.figure and len(args.bundles) != 2:
+        parser.error("--figure compares two bundles; give two")
     try:
         text = render(args.bundles)
+        if args.figure:
+            from kit.plot import compare_figure
+
+            named = [(b.name, bundle.load(b)["summary"]) for b in args.bundles]
+            compare_figure(named, args.figure)
     except bundle.BundleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -95,3 +95,40 @@ def test_a_failed_run_is_not_taken_for_a_bundle(tmp_path: Path, capsys) -> None:
     assert report.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "that bench run interrupted (stopped by SIGTERM)" in err and "logs" in err
+
+
+def test_two_bundles_compare_as_a_figure(bundle: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    figure = tmp_path / "compare.png"
+    assert (
+        report.main([str(bundle), str(bundle), "--figure", str(figure), "--out", "/dev/null"]) == 0
+    )
+    with Image.open(figure) as image:
+        assert image.size == (900, 520)
+        assert len(set(image.getdata())) > 10  # drawn, not blank
+
+
+def test_the_bench_figures_from_a_committed_bundle(bundle: Path, tmp_path: Path) -> None:
+    import json
+
+    from PIL import Image
+
+    from kit import plot
+
+    made = plot.bench_figures(
+        json.loads((bundle / "bench.json").read_text()),
+        json.loads((bundle / "raw.json").read_text()),
+        tmp_path,
+    )
+    assert sorted(p.name for p in made) == sorted(bundle_module.FIGURES)
+    for path in made:
+        with Image.open(path) as image:
+            assert len(set(image.getdata())) > 10
+
+
+def test_figures_cover_the_range(tmp_path: Path) -> None:
+    from kit.plot import nice_ticks
+
+    assert nice_ticks(0, 2159) == [0, 500, 1000, 1500, 2000, 2500]
+    assert nice_ticks(0, 0.47)[-1] >= 0.47
