@@ -81,3 +81,14 @@ def test_a_signal_ends_both_runs_and_keeps_the_committed_logs(
     assert [p for p in pids if alive(p)] == []
     assert {p: p.read_text() for p in committed} == committed
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in committed)
+
+
+def test_the_comparison_carries_its_schema() -> None:
+    """Both writers of upstream-suite.json (this runner and the container flow) write
+    the comparison as compare() returns it."""
+    from kit import schema, upstream_suite
+
+    report, _, ok = upstream_suite.compare(
+        {"unpatched": {"t::a": "passed"}, "patched": {"t::a": "passed"}}
+    )
+    assert ok and schema.check("upstream-suite", report, "upstream-suite.json") is report
