@@ -182,6 +182,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         parser.error(f"--server-url {bad[0]!r}: write TREE=URL, e.g. unpatched=http://host:8000")
     external = dict(item.split("=", 1) for item in args.server_url)
+    bad = [url for url in external.values() if not url.startswith(("http://", "https://"))]
+    if bad:
+        parser.error(f"--server-url {bad[0]!r}: not an http:// or https:// URL")
     if external and set(external) != set(TREES):
         parser.error("--server-url needs both unpatched=URL and patched=URL")
     args.external = external

@@ -150,6 +150,8 @@ def test_stop_kills_a_group_whose_leader_already_died(tmp_path: Path) -> None:
         (["--shared", "-5"], "--shared: -5 must be 1 or more"),
         (["--shared", "9x"], "--shared: '9x' is not a whole number"),
         (["--server-url", "http://x"], "write TREE=URL"),
+        (["--server-url", "unpatched=host:1", "--server-url", "patched=x"], "not an http://"),
+        (["--server-url", "unpatched=http://h:1"], "needs both unpatched=URL and patched=URL"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_server(argv: list[str], message: str, capsys) -> None:

