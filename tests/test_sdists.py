@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cpu
 NAME = "vllm-9.9.9.tar.gz"
 
 
-def tarball() -> bytes:
+def make_tarball() -> bytes:
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w:gz") as tar:
         data = b"__version__ = version = '9.9.9'\n"
@@ -28,6 +28,14 @@ def tarball() -> bytes:
         member.size = len(data)
         tar.addfile(member, io.BytesIO(data))
     return out.getvalue()
+
+
+# Made once: a gzip header carries the time it was written.
+TARBALL = make_tarball()
+
+
+def tarball() -> bytes:
+    return TARBALL
 
 
 @pytest.fixture
