@@ -1,6 +1,6 @@
 """Check a GB10 or Strix Halo host before a run, and stop early with the fix.
 
-Reads the same sources a person would (nvidia-smi, rocminfo, /proc, /sys, /dev,
+Reads the same sources a person would (nvidia-smi, KFD's topology, /proc, /sys, /dev,
 the user's groups) through a ``Probe``, so the tests can replay recorded outputs
 from a folder with the same layout (``files/...`` and ``commands/<name>.txt``).
 """
@@ -170,15 +170,17 @@ def check_strix(probe: Probe) -> list[Finding]:
             else f"sudo usermod -aG {','.join(sorted(missing))} $USER, then log in again",
         )
     )
-    rocminfo = probe.command("rocminfo", ["rocminfo"]) or ""
+    agents = gpu_agents(probe)
+    found = "gfx1151" in agents
     out.append(
         Finding(
-            "gfx1151" in rocminfo,
+            found,
             "gpu",
-            "gfx1151 agent found" if "gfx1151" in rocminfo else "no gfx1151 agent",
+            f"GPU agents: {', '.join(agents) or 'none'}",
             ""
-            if "gfx1151" in rocminfo
-            else "install ROCm with gfx1151 support; check 'rocminfo' lists the iGPU",
+            if found
+            else "this target is for Strix Halo (gfx1151): load a kernel whose amdgpu "
+            "driver lists it under /sys/class/kfd/kfd/topology/nodes",
         )
     )
     pages = (probe.read("/sys/module/ttm/parameters/pages_limit") or "").strip()
@@ -200,6 +202,27 @@ def check_strix(probe: Probe) -> list[Finding]:
     return out
 
 
+def gfx_name(version: int) -> str:
+    """KFD's gfx_target_version (major*10000 + minor*100 + stepping) as a gfx name:
+    110501 is gfx1151 (minor and stepping are written in hex)."""
+    major, minor, step = version // 10000, version // 100 % 100, version % 100
+    return f"gfx{major}{minor:x}{step:x}"
+
+
+def gpu_agents(probe: Probe) -> list[str]:
+    """The GPU agents the kernel's KFD exposes; rocminfo (a ROCm install on the host,
+    which the containers do not need) only where the topology cannot be read."""
+    agents = []
+    for path in probe.glob("/sys/class/kfd/kfd/topology/nodes/*/properties"):
+        m = re.search(r"^gfx_target_version\s+(\d+)", probe.read(path) or "", re.M)
+        if m and int(m.group(1)):  # CPU nodes report 0
+            agents.append(gfx_name(int(m.group(1))))
+    if not agents:
+        rocminfo = probe.command("rocminfo", ["rocminfo"]) or ""
+        agents = re.findall(r"Name:\s+(gfx\w+)", rocminfo)
+    return sorted(set(agents))
+
+
 CHECKS = {"gb10": check_gb10, "strix": check_strix}
 
 
@@ -209,9 +232,7 @@ def host_record(probe: Probe) -> dict:
         "kernel": (probe.read("/proc/sys/kernel/osrelease") or "").strip(),
         "cmdline": (probe.read("/proc/cmdline") or "").strip(),
         "nvidia_smi": probe.command("nvidia-smi", ["nvidia-smi"]),
-        "rocminfo_agents": re.findall(
-            r"Name:\s+(gfx\w+)", probe.command("rocminfo", ["rocminfo"]) or ""
-        ),
+        "gpu_agents": gpu_agents(probe),
         "ttm_pages_limit": (probe.read("/sys/module/ttm/parameters/pages_limit") or "").strip(),
         "mem_total_gib": _meminfo_gib(probe, "MemTotal"),
     }

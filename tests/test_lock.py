@@ -1,0 +1,243 @@
+"""`make lock` against a fake registry, a local git repository and the fake hub, all on
+this machine: every unresolved pin it can reach is saved, the rest named, nothing else
+touched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import tomllib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from kit import lock, pins
+from tests.hub_server import COMMIT, REPO, FakeHub, HubServer, tiny_repo_files
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = json.dumps({"schemaVersion": 2, "manifests": []}).encode()
+DIGEST = hashlib.sha256(MANIFEST).hexdigest()
+TOKEN = "kit-test-token"
+
+
+class FakeRegistry:
+    """Answers manifest HEADs for the repositories it holds, behind an anonymous
+    bearer token as Docker Hub does; anything else is a 404."""
+
+    def __init__(self, repositories: set[str]) -> None:
+        self.repositories = repositories
+        self.requests: list[str] = []
+        registry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self) -> None:
+                registry.requests.append(self.path)
+                if self.path.startswith("/token"):
+                    body = json.dumps({"token": TOKEN}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    if self.command == "GET":
+                        self.wfile.write(body)
+                    return
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    self.send_response(401)
+                    self.send_header(
+                        "WWW-Authenticate",
+                        f'Bearer realm="{registry.url}/token",service="fake",'
+                        'scope="repository:x:pull"',
+                    )
+                    self.end_headers()
+                    return
+                repo = self.path.removeprefix("/v2/").rsplit("/manifests/", 1)[0]
+                if repo not in registry.repositories:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Docker-Content-Digest", f"sha256:{DIGEST}")
+                self.send_header("Content-Length", str(len(MANIFEST)))
+                self.end_headers()
+
+            do_GET = _answer
+            do_HEAD = _answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> FakeRegistry:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _git_repo(tmp_path: Path) -> tuple[Path, str]:
+    """A repository with an annotated tag (ls-remote must peel it to the commit)."""
+    repo = tmp_path / "vllm.git"
+    git = ["git", "-C", str(repo), "-c", "user.name=kit", "-c", "user.email=kit@localhost"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "README").write_text("release\n")
+    subprocess.run([*git, "add", "README"], check=True)
+    subprocess.run([*git, "commit", "-qm", "release"], check=True)
+    subprocess.run([*git, "tag", "-a", "-m", "v0.32.0", "v0.32.0"], check=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return repo, head
+
+
+@pytest.fixture()
+def online(tmp_path: Path) -> Iterator[dict]:
+    """A copy of pins.toml whose vLLM abbreviation is the local repository's, a models
+    lock with one enabled and one disabled entry, and the three fake services."""
+    repo, head = _git_repo(tmp_path)
+    text = (ROOT / "pins.toml").read_text()
+    text = text.replace(
+        f'commit_abbrev = "{pins.get("vllm.commit_abbrev")}"', f'commit_abbrev = "{head[:9]}"', 1
+    )
+    pin_file = tmp_path / "pins.toml"
+    pin_file.write_text(text)
+    models_lock = tmp_path / "models.lock"
+    models_lock.write_text(
+        f"""# test lock
+version = 1
+
+[models.enabled-one]
+repo = "{REPO}"
+role = "quick-check"
+targets = ["gb10"]
+enabled = true
+revision = "unresolved"
+serve_args = []
+
+[models.disabled-one]
+repo = "kit-test/not-served"
+role = "candidate"
+targets = ["gb10"]
+enabled = false
+disabled_reason = "test"
+revision = "unresolved"
+serve_args = []
+"""
+    )
+    with FakeRegistry({"library/ubuntu"}) as registry, HubServer(FakeHub(tiny_repo_files())) as hub:
+        yield {
+            "pins": pin_file,
+            "models": models_lock,
+            "repo": repo,
+            "head": head,
+            "registry": registry,
+            "hub": hub,
+        }
+
+
+def run_lock(online: dict, *targets: str) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        HF_ENDPOINT=online["hub"].url,
+        HF_HUB_DISABLE_XET="1",
+        HF_HUB_OFFLINE="0",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        HF_HOME=str(online["pins"].parent / "hf-home"),
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kit.lock",
+            "pins",
+            *targets,
+            "--pins",
+            str(online["pins"]),
+            "--models",
+            str(online["models"]),
+            "--vllm-repo",
+            f"file://{online['repo']}",
+            # Docker Hub names and NVIDIA's registry both go to the loopback fake.
+            "--registry-url",
+            f"{lock.DEFAULT_REGISTRY}={online['registry'].url}",
+            "--registry-url",
+            f"nvcr.io={online['registry'].url}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_make_lock_saves_what_resolves_and_names_what_does_not(online: dict) -> None:
+    done = run_lock(online, "gb10", "strix")
+    pinned = tomllib.loads(online["pins"].read_text())
+    # strix's base (Docker Hub's ubuntu) resolved through the token dance...
+    assert pinned["images"]["strix"]["base"] == f"ubuntu:24.04@sha256:{DIGEST}"
+    # ... gb10's (a repository the fake registry lacks) stays unresolved and is named.
+    assert pinned["images"]["gb10"]["base"].endswith("@sha256:unresolved")
+    assert "images.gb10.base: FAILED" in done.stdout and "HTTP 404" in done.stdout
+    # The tag's commit, peeled from the annotated tag.
+    assert pinned["vllm"]["commit"] == online["head"]
+    # Only the enabled model entry of the targets was locked, at the hub's commit.
+    models = tomllib.loads(online["models"].read_text())["models"]
+    assert models["enabled-one"]["revision"] == COMMIT
+    assert models["disabled-one"]["revision"] == "unresolved"
+    # The diff of what changed, and exit 1 because something is left.
+    assert f'+base = "ubuntu:24.04@sha256:{DIGEST}"' in done.stdout
+    assert done.returncode == 1, done.stdout + done.stderr
+    # Untouched lines stay byte for byte (comments included).
+    before = (ROOT / "pins.toml").read_text().splitlines()
+    after = online["pins"].read_text().splitlines()
+    assert len(before) == len(after)
+    assert sum(a != b for a, b in zip(before, after, strict=True)) == 3  # base, abbrev, commit
+
+
+def test_release_commits_whose_tag_is_missing_are_named(online: dict) -> None:
+    done = run_lock(online, "cpu")
+    # The fake repository has no v0.33.0 / v0.34.0 tags: named, pins.toml keeps them.
+    assert 'releases."0.33.0".commit: FAILED' in done.stdout
+    assert "has no tag v0.33.0" in done.stdout
+    pinned = tomllib.loads(online["pins"].read_text())
+    assert pinned["releases"]["0.33.0"]["commit"] == "unresolved"
+    assert pinned["vllm"]["commit"] == online["head"]
+
+
+def test_a_moved_tag_is_refused(online: dict) -> None:
+    with pytest.raises(lock.LockError, match="tag moved"):
+        lock.tag_commit(f"file://{online['repo']}", "v0.32.0", "0000000")
+
+
+def test_image_refs_parse_to_registry_and_repository() -> None:
+    assert lock.ImageRef.parse("ubuntu:24.04@sha256:unresolved") == lock.ImageRef(
+        lock.DEFAULT_REGISTRY, "library/ubuntu", "24.04"
+    )
+    ref = lock.ImageRef.parse("nvcr.io/nvidia/cuda:13.0.1-devel-ubuntu24.04@sha256:unresolved")
+    assert ref == lock.ImageRef("nvcr.io", "nvidia/cuda", "13.0.1-devel-ubuntu24.04")
+    with pytest.raises(lock.LockError, match="names no tag"):
+        lock.ImageRef.parse("ubuntu@sha256:unresolved")
+
+
+def test_set_pin_refuses_a_missing_key_and_leaves_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "pins.toml"
+    path.write_text('[vllm]\n# why\ncommit = "unresolved"\n')
+    lock.set_pin(path, "vllm", "commit", "a" * 40)
+    assert path.read_text() == f'[vllm]\n# why\ncommit = "{"a" * 40}"\n'
+    with pytest.raises(lock.LockError, match="no tag in \\[vllm\\]"):
+        lock.set_pin(path, "vllm", "tag", "v1")
