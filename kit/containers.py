@@ -54,8 +54,9 @@ class RunSpec:
         flags += [f"--group-add={g}" for g in host_gids(self.groups)]
         for opt in self.security_opt:
             flags += ["--security-opt", opt]
-        flags += ["--ipc=host"] if self.ipc_host else []
-        flags += [f"--shm-size={self.shm_size}"]
+        # Podman refuses --shm-size beside --ipc=host (the host's /dev/shm is used,
+        # so a size means nothing there); Docker accepts either alone.
+        flags += ["--ipc=host"] if self.ipc_host else [f"--shm-size={self.shm_size}"]
         for name, soft, hard in self.ulimits:
             flags += ["--ulimit", f"{name}={soft}:{hard}"]
         flags += [] if self.network else ["--network=none"]
@@ -70,7 +71,7 @@ class RunSpec:
             "devices": [f"{d}:{d}:rwm" for d in self.devices],
             "group_add": host_gids(self.groups),
             "security_opt": list(self.security_opt),
-            "shm_size": self.shm_size,
+            "shm_size": None if self.ipc_host else self.shm_size,
             "ulimits": [docker.types.Ulimit(name=n, soft=s, hard=h) for n, s, h in self.ulimits],
             "environment": dict(self.env),
             "network_mode": None if self.network else "none",
@@ -103,7 +104,6 @@ RUN_SPECS = {
     "gb10": RunSpec(
         gpus=True,
         runtime="nvidia",
-        shm_size="16g",
         ulimits=(("memlock", -1, -1), ("stack", 67108864, 67108864)),
     ),
     # ROCm: the KFD and DRI nodes, video/render groups and an unconfined seccomp
@@ -112,7 +112,6 @@ RUN_SPECS = {
         devices=("/dev/kfd", "/dev/dri"),
         groups=("video", "render"),
         security_opt=("seccomp=unconfined",),
-        shm_size="16g",
     ),
     "cpu": RunSpec(),
 }
