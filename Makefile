@@ -74,6 +74,11 @@ turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
 	$(KIT) loss-sweep
 
+# vLLM's kernels run in .venv-triton (kit/kernel_env.py builds it), never in .venv.
+.PHONY: kernel-check
+kernel-check: setup ## the kit's CPU kernels (align copies, CPU GDN) against vLLM's own Triton kernels under Triton's interpreter; results/kernel-check.json
+	$(KIT) kernel-check --out results/kernel-check.json
+
 # var BUNDLES: one results folder, or two to compare (report; default the newest bundle)
 BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
 

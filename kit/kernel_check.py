@@ -529,10 +529,17 @@ def build_cases(perturb: str | None = None, kinds: set[str] | None = None) -> di
         "cases": cases,
         "cpu_port": {
             "vllm": vllm.__version__,
-            "tree": str(Path(vllm.__file__).parent),
+            "tree": _shown(Path(vllm.__file__).parent),
+            # The CPU GDN kernel picks its code path by ISA (AVX-512 BF16, AMX).
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "perturb": perturb,
         },
     }
+
+
+def _shown(path: Path) -> str:
+    """A path as the results show it: relative to the checkout when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def kernel_sources(dest: Path) -> Path:
@@ -589,7 +596,12 @@ def run(
                 f"the Triton side failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
             )
         result = json.loads((work / "result.json").read_text())
-    result["kernel_source"] = "the pinned sdist" if kernels is None else str(kernels)
+    if kernels is None:
+        from kit import pins
+
+        result["kernels"] = f"vllm-{pins.get('vllm.version')}.tar.gz (sha256-checked sdist)"
+    else:
+        result["kernels"] = _shown(kernels)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
