@@ -5,8 +5,9 @@ With multi-module MTP the scheduler never ends a prefill chunk within
 ends a partial chunk on a block boundary. A prompt that ends fewer than k
 tokens past a block boundary gets both rules at once: the chunk that should
 end on the boundary is shifted back below it, the next step shifts back to the
-same place, and prefill stops moving (129 tokens, block 64: stuck at 126).
-The harness gives up after 10,000 steps, so a hang fails in bounded time.
+same place, and prefill stops moving (129 tokens, block 64: stuck at 126). Both trees carry
+``fix-mtp-prefill-lookahead-progress``, which keeps the boundary; the harness
+gives up after 10,000 steps, so a hang fails in bounded time.
 """
 
 from __future__ import annotations
@@ -17,11 +18,6 @@ from kit.geometry_model import Case, Geometry
 from kit.sched_harness import SchedulerRig, run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
-
-LIVELOCK = (
-    "vLLM 0.32.0 livelock: align mode's block-boundary chunk end and multi-module "
-    "MTP's prefill lookahead cancel out; prefill stops 3 tokens short (mods/README.md)"
-)
 
 
 def _prompt(n: int) -> list[int]:
@@ -34,11 +30,33 @@ def test_multi_module_mtp_is_what_runs(tiny_multi_mtp_dir) -> None:
     assert rig.vllm_config.num_prefill_lookahead_tokens == 3
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=LIVELOCK)
 @pytest.mark.parametrize("length", [129, 130, 193])
 def test_prompt_just_past_a_block_boundary_finishes(tiny_multi_mtp_dir, length: int) -> None:
+    """The livelock vLLM 0.32.0-0.34.0 have without the mod: the chunk ends on the
+    boundary (its Mamba state kept), then the tail."""
     rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(64, 16, 3))
-    rig.run(_prompt(length))
+    record = rig.run(_prompt(length))
+    ends = rig.chunk_ends[record.request_id]
+    boundary = length // 64 * 64
+    assert ends[-2:] == [boundary, length]
+
+
+@pytest.mark.parametrize("length", [129, 130])
+def test_the_livelock_without_the_mod(tiny_multi_mtp_dir, monkeypatch, length: int) -> None:
+    """The unmodified rule (shift back whatever the chunk end) still hangs: the
+    harness's step limit turns the hang into an error."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def unmodified(self, request, num_computed_tokens, num_new_tokens):
+        remaining = request.num_tokens - num_computed_tokens - num_new_tokens
+        if 0 < remaining < self.num_prefill_lookahead:
+            num_new_tokens -= self.num_prefill_lookahead - remaining
+        return max(num_new_tokens, 0)
+
+    monkeypatch.setattr(Scheduler, "_reserve_prefill_lookahead", unmodified)
+    rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(64, 16, 3))
+    with pytest.raises(RuntimeError, match="did not finish"):
+        rig.run(_prompt(length))
 
 
 @pytest.mark.parametrize("length", [128, 131, 200])
