@@ -5,22 +5,28 @@ It holds the CPU build of torch ([cpu] torch in pins.toml), Triton and numpy
 the kit's .venv so that the pinned Triton (the release vLLM 0.32.0 names) and
 Triton's interpreter never reach the vLLM trees the kit measures.
 
+Hash-locked: torch and its dependencies and numpy with the hashes of the kit's
+own CPU lock (``locks/cpu-venv-<machine>.txt``, the same builds as .venv), and
+Triton with [kernel_check] triton_sha256, all in one ``pip install
+--require-hashes --no-deps``. On a machine without such a lock, torch and numpy
+are pinned by version only (said when it happens); Triton stays hash-locked.
 Sources: pip's configured index first; torch's CPU build ("+cpu") is not on
 every index, so when pip cannot find it there it retries with the PyTorch CPU
 index named in pins.toml ([kernel_check] torch_index, or KIT_TORCH_INDEX).
-Triton is hash-locked (``--require-hashes`` against [kernel_check]
-triton_sha256). Built under a file lock (two pytest runs or a pytest run and
-``make kernel-check`` at once build it once); a stamp records the pins it was
-made from, and a missing or stale stamp or an environment that cannot import
-torch and Triton is rebuilt.
+Built under a file lock (two pytest runs or a pytest run and ``make
+kernel-check`` at once build it once); a stamp records what it was made from,
+and a missing or stale stamp or an environment that cannot import torch and
+Triton is rebuilt.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -35,6 +41,20 @@ VENV = ROOT / ".venv-triton"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".kit-kernel-env.json"
 LOCK = ROOT / ".cache" / "venv-triton.lock"
+# torch's dependencies (for Python 3.11) and numpy (Triton's interpreter computes with it).
+LOCKED = (
+    "torch",
+    "filelock",
+    "typing-extensions",
+    "setuptools",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "fsspec",
+    "numpy",
+)
 
 
 class KernelEnvError(RuntimeError):
@@ -47,7 +67,7 @@ def wanted(spec: dict[str, Any] | None = None) -> dict[str, Any]:
     section = spec.get("kernel_check")
     if not section:
         raise KernelEnvError("pins.toml has no [kernel_check] section; the kit needs it")
-    return {
+    want = {
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         # The CPU build: PyTorch's CPU wheels carry the local version "+cpu".
         "torch": f"{spec['cpu']['torch']}+cpu",
@@ -55,6 +75,54 @@ def wanted(spec: dict[str, Any] | None = None) -> dict[str, Any]:
         "triton_sha256": list(section["triton_sha256"]),
         "numpy": section["numpy"],
     }
+    locked = locked_requirements(want)
+    want["lock"] = (
+        None
+        if locked is None
+        else {"file": str(locked[0].relative_to(ROOT)), "sha256": _sha256(locked[1])}
+    )
+    return want
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def lock_file() -> Path:
+    return ROOT / "locks" / f"cpu-venv-{platform.machine()}.txt"
+
+
+def locked_requirements(want: dict[str, Any]) -> tuple[Path, str] | None:
+    """The LOCKED packages' entries (``name==version`` and its ``--hash`` lines) from
+    the kit's CPU lock for this machine, or None where the kit has no such lock."""
+    path = lock_file()
+    if not path.is_file():
+        return None
+    entries: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in path.read_text().splitlines():
+        if line and not line[0].isspace() and "==" in line:
+            name = line.split("==", 1)[0].strip().lower().replace("_", "-")
+            current = entries.setdefault(name, []) if name in LOCKED else None
+            if current is not None:
+                current.append(line)
+        elif current is not None and line.strip().startswith("--hash="):
+            current.append(line)
+        else:
+            current = None
+    missing = [n for n in LOCKED if not entries.get(n)]
+    if missing:
+        raise KernelEnvError(f"{path}: no entry for {', '.join(missing)}; regenerate the lock")
+    for name, version in (("torch", want["torch"]), ("numpy", want["numpy"])):
+        pinned = entries[name][0].split("==", 1)[1].split()[0]
+        if pinned != version:
+            raise KernelEnvError(
+                f"{path} locks {name}=={pinned}, pins.toml wants {version}; make them agree"
+            )
+    body = "\n".join(
+        line.rstrip(" \\") + " \\" if "==" in line else line for n in LOCKED for line in entries[n]
+    )
+    return path, body + "\n"
 
 
 def torch_index(spec: dict[str, Any] | None = None) -> str:
@@ -100,41 +168,35 @@ def _pip(*args: str) -> list[str]:
     return cmd
 
 
-def _install_torch(want: dict[str, Any]) -> None:
-    requirement = f"torch=={want['torch']}"
-    if not os.environ.get("KIT_TORCH_INDEX"):
-        # pip's configured index (a mirror, a wheelhouse) may carry the CPU build.
-        first = _run(_pip(requirement), capture_output=True)
-        if first.returncode == 0:
-            return
-        print(
-            f"pip's configured index has no {requirement}; trying the PyTorch CPU index",
-            file=sys.stderr,
-        )
-    index = torch_index()
-    second = _run(_pip("--extra-index-url", index, requirement), capture_output=True)
-    if second.returncode != 0:
-        raise KernelEnvError(
-            f"cannot install {requirement} into {VENV} (pip's index, then {index}; "
-            f"set KIT_TORCH_INDEX to another PyTorch CPU index):\n{second.stderr[-2000:]}"
-        )
-
-
-def _install_triton(want: dict[str, Any]) -> None:
-    hashes = " ".join(f"--hash=sha256:{h}" for h in want["triton_sha256"])
+def _install(requirements: str, what: str, *extra: str) -> None:
+    """One pip install of ``requirements``: pip's configured index first, then with
+    the PyTorch CPU index added (torch's "+cpu" build is not on every index)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as req:
-        req.write(f"triton=={want['triton']} {hashes}\n")
+        req.write(requirements)
     try:
-        # Triton has no dependencies of its own; --no-deps keeps the hash lock to it.
-        done = _run(_pip("--no-deps", "--require-hashes", "-r", req.name), capture_output=True)
+        if not os.environ.get("KIT_TORCH_INDEX"):
+            first = _run(_pip(*extra, "-r", req.name), capture_output=True)
+            if first.returncode == 0:
+                return
+            print(
+                f"pip's configured index could not supply {what}; trying the PyTorch CPU index",
+                file=sys.stderr,
+            )
+        index = torch_index()
+        second = _run(_pip(*extra, "--extra-index-url", index, "-r", req.name), capture_output=True)
     finally:
         os.unlink(req.name)
-    if done.returncode != 0:
+    if second.returncode != 0:
         raise KernelEnvError(
-            f"cannot install triton=={want['triton']} with a pinned sha256 into {VENV} "
-            "(a platform whose wheel hash is not in pins.toml [kernel_check] triton_sha256 "
-            f"is refused):\n{done.stderr[-2000:]}"
+            f"cannot install {what} into {VENV} (pip's index, then {index}; set "
+            f"KIT_TORCH_INDEX to another PyTorch CPU index; a wheel whose sha256 is not "
+            f"locked is refused):\n{second.stderr[-2000:]}"
         )
+
+
+def _triton_requirement(want: dict[str, Any]) -> str:
+    hashes = " ".join(f"--hash=sha256:{h}" for h in want["triton_sha256"])
+    return f"triton=={want['triton']} {hashes}\n"
 
 
 def ensure(force: bool = False) -> Path:
@@ -151,12 +213,24 @@ def ensure(force: bool = False) -> Path:
         made = _run([sys.executable, "-m", "venv", str(VENV)], capture_output=True)
         if made.returncode != 0:
             raise KernelEnvError(f"cannot create {VENV}: {made.stderr[-2000:]}")
-        # torch first and alone, so pip takes the CPU build and nothing pulls a CUDA one.
-        _install_torch(want)
-        _install_triton(want)
-        numpy = _run(_pip(f"numpy=={want['numpy']}"), capture_output=True)
-        if numpy.returncode != 0:
-            raise KernelEnvError(f"cannot install numpy into {VENV}: {numpy.stderr[-2000:]}")
+        locked = locked_requirements(want)
+        if locked is not None:
+            # Every package named with its hashes: nothing resolved, nothing unlocked.
+            _install(
+                locked[1] + _triton_requirement(want),
+                f"the locked torch, numpy and triton ({locked[0].name})",
+                "--require-hashes",
+                "--no-deps",
+            )
+        else:
+            print(
+                f"{lock_file()}: no lock for this machine; torch and numpy pinned by version only",
+                file=sys.stderr,
+            )
+            # torch first and alone, so pip takes the CPU build and nothing pulls a CUDA one.
+            _install(f"torch=={want['torch']}\n", f"torch=={want['torch']}")
+            _install(_triton_requirement(want), "triton", "--require-hashes", "--no-deps")
+            _install(f"numpy=={want['numpy']}\n", "numpy")
         STAMP.write_text(json.dumps(want, indent=1) + "\n")
         if not healthy(want):
             raise KernelEnvError(f"{VENV} was built but cannot import torch and triton as pinned")
