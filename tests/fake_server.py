@@ -4,7 +4,8 @@
 
 ``python tests/fake_server.py --port P --state DIR [--hang]``: every process writes
 its pid to ``DIR/pids``; with ``--hang`` a completion writes ``DIR/requesting`` and
-never answers (a bench caught mid-request). The children outlive their parent
+never answers (a bench caught mid-request); with ``--never-healthy`` /health
+answers 503 (a bench caught during start-up). The children outlive their parent
 unless someone signals the group, as vLLM's engine processes do.
 """
 
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--never-healthy", action="store_true", help="/health answers 503")
     args, _ = parser.parse_known_args()
     for _ in ("engine core", "worker"):
         child = subprocess.Popen([sys.executable, "-c", CHILD])
@@ -54,7 +56,8 @@ def main() -> None:
 
         def do_GET(self) -> None:
             body = b"" if self.path == "/health" else METRICS.encode()
-            self.send_response(200)
+            sick = self.path == "/health" and args.never_healthy
+            self.send_response(503 if sick else 200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -29,13 +29,13 @@ state, package = Path(sys.argv[1]), Path(sys.argv[2])
 def fake(host, port, args):
     folder = state / str(port)
     folder.mkdir(parents=True, exist_ok=True)
-    hang = ["--hang"] if "--hang" in sys.argv else []
+    hang = [a for a in ("--hang", "--never-healthy") if a in sys.argv]
     script = "tests/fake_server.py"
     return [sys.executable, script, "--port", str(port), "--state", str(folder), *hang]
 kit.serve.server_command = fake
 kit.trees.pinned = lambda name, target="cpu": kit.trees.Tree(name, package)
 from kit import bench
-argv = [a for a in sys.argv[3:] if a != "--hang"]
+argv = [a for a in sys.argv[3:] if a not in ("--hang", "--never-healthy")]
 sys.exit(bench.main(argv))
 """
 
@@ -93,6 +93,19 @@ def test_a_signal_mid_request_stops_every_server_process(
     assert failed["status"] == "interrupted"
     assert signal.Signals(sig).name in failed["reason"]
     assert not (out / bundle.BENCH).exists()
+
+
+def test_a_signal_during_start_up_stops_both_starting_servers(tmp_path: Path) -> None:
+    """Both servers are starting (their health waits run in threads): SIGTERM ends both
+    waits at once instead of after the start-up timeout, and both trees are gone."""
+    proc, state, out = start_bench(tmp_path, "--never-healthy")
+    wait_for(lambda: len(all_pids(state)) == 6, proc, "both servers started")
+    pids = all_pids(state)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)  # the start-up timeout is 900 s
+    assert proc.returncode == 143, err
+    assert [p for p in pids if alive(p)] == []
+    assert json.loads((out / bundle.FAILED).read_text())["status"] == "interrupted"
 
 
 def test_a_dead_server_leaves_no_orphan_and_is_named(tmp_path: Path) -> None:
