@@ -108,3 +108,15 @@ def test_a_wrong_file_in_the_wheelhouse_is_named_not_deleted(tmp_path: Path, mon
     with pytest.raises(sdists.SdistError, match=r"\$KIT_WHEELHOUSE.*put the release's own sdist"):
         sdists.pinned()
     assert wrong.is_file()
+
+
+def test_every_pinned_release_has_its_sha256() -> None:
+    """Release keys hold dots ("0.34.0"): each is found as a table key."""
+    import re
+
+    from kit import releases
+
+    for version in [sdists.pins.get("vllm.version"), *releases.known()]:
+        assert re.fullmatch(r"[0-9a-f]{64}", sdists.sha256_pin(version)), version
+    with pytest.raises(sdists.SdistError, match="no sdist_sha256 pinned for vLLM 9.9.9"):
+        sdists.sha256_pin("9.9.9")
