@@ -13,9 +13,11 @@ KIT_REQUIRE_KERNEL_CHECK=1 that is a failure.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
@@ -34,6 +36,22 @@ def triton_env() -> Path:
         if REQUIRED:
             pytest.fail(f".venv-triton cannot be built: {exc}")
         pytest.skip(f".venv-triton cannot be built here: {exc}")
+
+
+def test_triton_env_is_hash_locked_like_the_kits_venv(triton_env: Path) -> None:
+    want = kernel_env.wanted()
+    locked = kernel_env.locked_requirements(want)
+    if locked is None:
+        pytest.skip(f"{kernel_env.lock_file()}: the kit has no CPU lock for this machine")
+    path, body = locked
+    names = [line.split("==")[0] for line in body.splitlines() if "==" in line]
+    assert sorted(names) == sorted(kernel_env.LOCKED)
+    # Each entry carries at least one hash; torch is the CPU build .venv has.
+    assert body.count("--hash=sha256:") >= len(names)
+    assert f"torch=={want['torch']} " in body
+    stamp = json.loads(kernel_env.STAMP.read_text())
+    assert stamp["lock"] == {"file": str(path.relative_to(kernel_env.ROOT)), "sha256": ANY}
+    assert stamp == want
 
 
 def _state_fields(case: dict[str, Any]) -> list[dict[str, Any]]:
