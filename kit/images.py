@@ -24,6 +24,7 @@ from kit import mods, pins
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("unpatched", "patched")
+LOCKS = ROOT / "locks"
 
 
 # What the Dockerfiles COPY into /opt/kit; their hash labels the image.
@@ -80,7 +81,7 @@ def image_tag(target: str, stage: str, release: str | None = None, arch: str | N
 
 def lock_file(target: str, arch: str) -> Path | None:
     """The hash lock an image installs from (the cpu image has its wheelhouse instead)."""
-    return None if target == "cpu" else ROOT / "locks" / f"{target}-{arch}.txt"
+    return None if target == "cpu" else LOCKS / f"{target}-{arch}.txt"
 
 
 def docker_build_cmd(
@@ -110,7 +111,7 @@ def docker_build_cmd(
     lock = lock_file(target, arch)
     if lock is not None and not lock.is_file():
         raise mods.ModError(
-            f"{lock.relative_to(ROOT)} is missing: run `make lock-deps` where the indexes "
+            f"locks/{lock.name} is missing: run `make lock-deps` where the indexes "
             "it needs are reachable, then commit the file"
         )
     if args.get("SOURCE_BUILD") == "0" and args["VLLM_VERSION"] != pins.get("vllm.version"):

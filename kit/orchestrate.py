@@ -21,6 +21,7 @@ fails or is interrupted (Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -49,6 +50,7 @@ from kit.containers import (
     RUN_SPECS,
     EngineUnavailable,
     Mount,
+    RunSpec,
     engine_for,
 )
 from kit.tiny_model import write_tiny_model
@@ -61,6 +63,12 @@ IN_IMAGE_OUT = "/out"
 IN_IMAGE_MODELS = "/models"
 IN_IMAGE_UPSTREAM = "/upstream-tests"
 IN_IMAGE_TINY = "/tiny-model"
+IN_IMAGE_CACHE = "/kit-cache"
+COMPILE_CACHES = ROOT / ".cache" / "compile"
+# What uvicorn logs once vLLM's API server listens (vLLM 0.32.0 and later).
+READY_LINE = "Application startup complete"
+# A 35B checkpoint loads and compiles in minutes; an hour means something is wrong.
+SERVER_START_TIMEOUT_S = 3600
 
 
 class OrchestrateError(RuntimeError):
@@ -106,8 +114,10 @@ def check_host(target: str, disk_path: Path, probe: hostcheck.Probe | None = Non
 # 2. images ----------------------------------------------------------------------
 
 
-def image_ref(engine_kind: str, target: str, stage: str, release: str | None = None) -> str:
-    tag = images.image_tag(target, stage, release)
+def image_ref(
+    engine_kind: str, target: str, stage: str, release: str | None = None, arch: str | None = None
+) -> str:
+    tag = images.image_tag(target, stage, release, arch)
     return f"localhost/{tag}" if engine_kind == "buildah" else tag
 
 
@@ -115,7 +125,7 @@ def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
     """Reuse an image only when it was built from these pins and kit sources."""
     found = {}
     for stage in STAGES:
-        ref = image_ref(engine.kind, target, stage, plan.vllm)
+        ref = image_ref(engine.kind, target, stage, plan.vllm, getattr(plan, "arch", None))
         info = engine.image_info(ref)
         current = bool(info) and images.is_current(info["labels"])
         reused = bool(info) and (current or plan.reuse_stale) and not plan.rebuild
@@ -124,7 +134,14 @@ def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
             if engine.kind == "buildah":
                 buildah_build.build(stage)
             else:
-                cmd = images.docker_build_cmd(target, stage, plan.base_image, plan.vllm)
+                cmd = images.docker_build_cmd(
+                    target,
+                    stage,
+                    plan.base_image,
+                    plan.vllm,
+                    getattr(plan, "arch", None),
+                    getattr(plan, "source_build", None),
+                )
                 log("+ " + shlex.join(cmd))
                 subprocess.run(cmd, check=True)
             info = engine.image_info(ref)
@@ -245,6 +262,44 @@ def bench_args(plan: argparse.Namespace, model: models.Entry | None) -> list[str
     return args + ["--model-dir", IN_IMAGE_TINY]
 
 
+def server_command(plan: argparse.Namespace, model: models.Entry | None, stage: str) -> list[str]:
+    command = ["python", "-m", "kit.bench", "--serve-only", stage]
+    command += ["--host", "0.0.0.0", "--port", str(PORTS[stage])]
+    return command + bench_args(plan, model)
+
+
+def compile_cache(target: str, image_id: str) -> Path:
+    """A host folder per image for vLLM's torch.compile, Triton and inductor caches:
+    the second run of an image skips the compiles, and no image reads another's."""
+    digest = image_id.split(":")[-1][:16]
+    return _writable(COMPILE_CACHES / f"{target}-{digest}")
+
+
+def with_compile_cache(spec: RunSpec) -> RunSpec:
+    env = (
+        ("VLLM_CACHE_ROOT", f"{IN_IMAGE_CACHE}/vllm"),
+        ("TRITON_CACHE_DIR", f"{IN_IMAGE_CACHE}/triton"),
+        ("TORCHINDUCTOR_CACHE_DIR", f"{IN_IMAGE_CACHE}/inductor"),
+    )
+    return dataclasses.replace(spec, env=(*spec.env, *env))
+
+
+def wait_ready(server, stage: str, timeout: float = SERVER_START_TIMEOUT_S) -> None:
+    """Until the server's log says it serves; a server that exits first stops the run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            tail = "\n".join(server.logs().splitlines()[-15:])
+            raise OrchestrateError(f"the {stage} server exited while starting:\n{tail}")
+        if READY_LINE in server.logs():
+            log(f"{stage} server ready")
+            return
+        time.sleep(5)
+    raise OrchestrateError(
+        f"the {stage} server did not report '{READY_LINE}' within {timeout:.0f} s"
+    )
+
+
 def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
     """Returns the client's exit status and the commands the manifest records.
 
@@ -264,12 +319,21 @@ def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
     with engine.network() as net:
         servers = {}
         for stage in STAGES:
-            command = ["python", "-m", "kit.bench", "--serve-only", stage]
-            command += ["--host", "0.0.0.0", "--port", str(PORTS[stage])]
-            command += bench_args(plan, model)
+            command = server_command(plan, model, stage)
             name = f"{net.name}-{stage}"
             commands[f"server-{stage}"] = command
-            servers[stage] = engine.start(found[stage]["ref"], command, spec, name, mounts, net)
+            cache = compile_cache(plan.target, found[stage]["id"])
+            servers[stage] = engine.start(
+                found[stage]["ref"],
+                command,
+                with_compile_cache(spec),
+                name,
+                (*mounts, Mount(str(cache), IN_IMAGE_CACHE, writable=True)),
+                net,
+            )
+            # One after the other: a server that sizes its memory while the other
+            # loads counts that load as used (unified memory on GB10 and Strix).
+            wait_ready(servers[stage], stage)
         urls = [
             f"{stage}=http://{net.address(f'{net.name}-{stage}')}:{PORTS[stage]}"
             for stage in STAGES
@@ -377,6 +441,8 @@ def run(plan: argparse.Namespace) -> Path:
     out = plan.out or bundle.new_path(plan.target)
     log(f"host check ({plan.target})")
     host = check_host(plan.target, ROOT)
+    if plan.target != "cpu":
+        refuse_unresolved(unresolved_pins(plan))
     model = bench_model(plan.target, plan.model, plan.store)
     if plan.vllm:
         # Refuse early what cannot be built (the cpu image has no later release).
@@ -411,6 +477,88 @@ def run(plan: argparse.Namespace) -> Path:
             f"log-prob diff| {oracle.get('max_first_logprob_diff')}"
         )
     return out
+
+
+def unresolved_pins(plan: argparse.Namespace) -> list[str]:
+    """Every pin the run needs that is still ``unresolved``, each with its source."""
+    args = images.build_args(plan.target, plan.vllm)
+    missing = []
+    if not plan.base_image and not pins.is_resolved(args["BASE_IMAGE"]):
+        missing.append(f"images.{plan.target}.base = {args['BASE_IMAGE']} (pins.toml)")
+    if plan.target != "cpu":
+        _, entries = models.load()
+        chosen = [
+            e
+            for e in models.select(entries, plan.model, plan.target)
+            if e.fields.get("enabled", True) and (plan.model or e.fields.get("role") == "primary")
+        ]
+        missing += [f"models.{e.key}.revision (models.lock)" for e in chosen if not e.pinned]
+    arch = getattr(plan, "arch", None) or images.default_arch(plan.target)
+    lock = images.lock_file(plan.target, arch)
+    if lock is not None and not lock.is_file():
+        missing.append(f"locks/{lock.name} (make lock-deps)")
+    return missing
+
+
+def refuse_unresolved(missing: list[str]) -> None:
+    if missing:
+        raise PlanError(
+            "unresolved pins: "
+            + "; ".join(missing)
+            + ". Run `make lock` (and `make lock-deps` for a missing lock file) once on a "
+            "machine that reaches the registry, the git host, the hub and the wheel indexes "
+            "(each resolved pin is saved), or pass BASE_IMAGE=<name>@sha256:<digest>"
+        )
+
+
+def dry_run(plan: argparse.Namespace) -> int:
+    """Everything up to the image build, then the exact commands the run would make."""
+    probe = hostcheck.Probe(plan.recorded_host) if plan.recorded_host else None
+    log(f"host check ({plan.target}{', recorded: ' + str(plan.recorded_host) if probe else ''})")
+    if probe is not None:
+        findings = hostcheck.CHECKS[plan.target](probe)
+        failed = [f for f in findings if not f.ok]
+        if failed:
+            raise PlanError(
+                "host check failed:\n"
+                + "\n".join(f"  {f.check}: {f.detail}\n    fix: {f.fix}" for f in failed)
+            )
+        log("host check passed (free disk is checked on the real host)")
+    else:
+        check_host(plan.target, ROOT)
+    if plan.arch is None and probe is not None:
+        # Build for the recorded host's arch, not this machine's.
+        machine = (probe.command("uname-m", ["uname", "-m"]) or "").strip()
+        plan.arch = machine if machine in images.ARCHES[plan.target] else None
+    refuse_unresolved(unresolved_pins(plan))
+    log("pins resolved; the run would do:")
+    for stage in STAGES:
+        cmd = images.docker_build_cmd(
+            plan.target, stage, plan.base_image, plan.vllm, plan.arch, plan.source_build
+        )
+        print("+", shlex.join(cmd), flush=True)
+    model = None
+    if plan.target != "cpu":
+        _, entries = models.load()
+        chosen = [
+            e
+            for e in models.select(entries, plan.model, plan.target)
+            if e.fields.get("enabled", True) and (plan.model or e.fields.get("role") == "primary")
+        ]
+        model = chosen[0] if chosen else None
+        keys = " ".join(e.key for e in chosen)
+        print(f"+ {sys.executable} -m kit.models verify --model {keys} --store {plan.store}")
+    spec = RUN_SPECS[plan.target]
+    for stage in STAGES:
+        ref = images.image_tag(plan.target, stage, plan.vllm, plan.arch)
+        volumes = [f"{plan.store}:{IN_IMAGE_MODELS}:ro"] if model else []
+        volumes.append(f"{COMPILE_CACHES}/{plan.target}-<image id>:{IN_IMAGE_CACHE}")
+        docker = ["docker", "run", "-d", "--name", f"kit-{stage}", "--network", "kit-net"]
+        docker += [f for f in with_compile_cache(spec).cli_flags() if f != "--network=none"]
+        docker += [a for v in volumes for a in ("-v", v)]
+        print("+", shlex.join([*docker, ref, *server_command(plan, model, stage)]), flush=True)
+        print(f"  (wait until its log says '{READY_LINE}' before the next)", flush=True)
+    return 0
 
 
 def attach_image_records(out: Path, records: dict) -> None:
@@ -448,6 +596,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild", action="store_true", help="build even if images match")
     parser.add_argument("--base-image", help="override the pinned base image")
     parser.add_argument(
+        "--arch",
+        choices=sorted(images.DOCKER_PLATFORMS),
+        help="gb10: aarch64 or the x86_64 sibling",
+    )
+    parser.add_argument(
+        "--source-build",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gb10: compile vLLM from its tag (default: pins.toml, the locked wheel)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the host and the pins, print the build and run commands, run nothing",
+    )
+    parser.add_argument(
+        "--recorded-host", type=Path, help="(with --dry-run) a recorded host folder to check"
+    )
+    parser.add_argument(
         "--reuse-stale",
         action="store_true",
         help="(kit development) reuse images built from other kit sources; the manifest records it",
@@ -465,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.out = plan.out.resolve() if plan.out else None
     previous = _interrupt_on_sigterm()
     try:
+        if plan.dry_run:
+            return dry_run(plan)
         out = run(plan)
     except (
         PlanError,

@@ -183,3 +183,128 @@ def test_interrupt_removes_everything_the_engine_started(cpu_images) -> None:
     ).stdout.split()
     assert working and not working & set(listed)
     assert all(h.poll() is not None for h in holders)
+
+
+# -- dry runs of bench-gb10 / bench-strix against recorded hosts ----------------------
+
+
+def test_dry_run_refuses_the_shipped_unresolved_pins_naming_make_lock(capsys) -> None:
+    code = orchestrate.main(["gb10", "--dry-run", "--recorded-host", str(HOSTS / "gb10-ok")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "images.gb10.base" in err and "make lock" in err and "BASE_IMAGE=" in err
+
+
+@pytest.fixture()
+def resolved(tmp_path: Path, monkeypatch) -> dict:
+    """pins.toml and a models lock after `make lock` ran against the loopback fakes."""
+    from kit import models, pins
+    from tests.hub_server import FakeHub, HubServer, tiny_repo_files
+    from tests.test_lock import FakeRegistry, _git_repo, run_lock
+
+    repo, head = _git_repo(tmp_path)
+    pin_file = tmp_path / "pins.toml"
+    pin_file.write_text(
+        (ROOT / "pins.toml")
+        .read_text()
+        .replace(
+            f'commit_abbrev = "{pins.get("vllm.commit_abbrev")}"', f'commit_abbrev = "{head[:9]}"'
+        )
+    )
+    models_lock = tmp_path / "models.lock"
+    models_lock.write_text(
+        'version = 1\n\n[models.tiny]\nrepo = "kit-test/tiny-hybrid"\nrole = "primary"\n'
+        'targets = ["gb10", "strix"]\nenabled = true\nrevision = "unresolved"\nserve_args = []\n'
+    )
+    with (
+        FakeRegistry({"nvidia/cuda", "library/ubuntu"}) as registry,
+        HubServer(FakeHub(tiny_repo_files())) as hub,
+    ):
+        online = {"pins": pin_file, "models": models_lock, "repo": repo}
+        done = run_lock({**online, "registry": registry, "hub": hub}, "gb10", "strix")
+    # The release tags are absent from the fake repository; the rest resolved.
+    assert "images.gb10.base: sha256" not in done.stdout
+    real_load, real_models = pins.load, models.load
+    monkeypatch.setattr(pins, "load", lambda path=pin_file: real_load(path))
+    monkeypatch.setattr(models, "load", lambda path=models_lock: real_models(path))
+    assert pins.is_resolved(pins.get("images.gb10.base"))
+    assert pins.is_resolved(pins.get("images.strix.base"))
+    return online
+
+
+@pytest.mark.parametrize(
+    "target,host,platform",
+    [("gb10", "gb10-ok", "linux/arm64"), ("strix", "strix-no-rocminfo", "linux/amd64")],
+)
+def test_dry_run_with_resolved_pins_prints_the_exact_commands(
+    resolved: dict, capsys, target: str, host: str, platform: str, monkeypatch, tmp_path: Path
+) -> None:
+    lock = images.lock_file(
+        target, platform.replace("linux/arm64", "aarch64").replace("linux/amd64", "x86_64")
+    )
+    if not lock.is_file():
+        # Only the strix lock can be missing: AMD's index is out of reach of our build
+        # machines. The flow says so, naming the command...
+        code = orchestrate.main([target, "--dry-run", "--recorded-host", str(HOSTS / host)])
+        assert code == 2
+        assert f"locks/{lock.name} (make lock-deps)" in capsys.readouterr().err
+        # ... and with the file in place goes on to the build.
+        stand_in = tmp_path / lock.name
+        stand_in.write_text("# stand-in: the dry run reads no package from it\n")
+        monkeypatch.setattr(images, "LOCKS", tmp_path)
+    code = orchestrate.main([target, "--dry-run", "--recorded-host", str(HOSTS / host)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    builds = [line for line in out.splitlines() if line.startswith("+ docker buildx build")]
+    assert len(builds) == 2
+    for stage, line in zip(("unpatched", "patched"), builds, strict=True):
+        assert f"--platform {platform} --target {stage}" in line
+        # The resolved digest, as the build argument the Dockerfile's FROM reads.
+        assert f"BASE_IMAGE={images.pins.get(f'images.{target}.base')}" in line
+    servers = [line for line in out.splitlines() if line.startswith("+ docker run")]
+    assert [("kit-unpatched" in s, "kit-patched" in s) for s in servers] == [
+        (True, False),
+        (False, True),
+    ]
+    for line in servers:
+        assert "--ipc=host" in line and "--shm-size" not in line
+        assert "VLLM_CACHE_ROOT=/kit-cache/vllm" in line and "--model tiny" in line
+    assert "kit.models verify --model tiny" in out
+    assert out.count("wait until its log says") == 2
+
+
+def test_dry_run_stops_at_a_failing_recorded_host(resolved: dict, capsys) -> None:
+    code = orchestrate.main(["strix", "--dry-run", "--recorded-host", str(HOSTS / "strix-no-kfd")])
+    assert code == 2
+    assert "device nodes" in capsys.readouterr().err
+
+
+class _Server:
+    """A started server as the engines hand it back: alive() and logs() only."""
+
+    def __init__(self, lines: list[str], alive: bool = True) -> None:
+        self.lines, self._alive = lines, alive
+
+    def alive(self) -> bool:
+        return self._alive
+
+    def logs(self) -> str:
+        return "\n".join(self.lines)
+
+
+def test_the_next_server_waits_for_the_first_to_serve() -> None:
+    orchestrate.wait_ready(_Server(["loading", f"INFO: {orchestrate.READY_LINE}."]), "unpatched")
+    with pytest.raises(orchestrate.OrchestrateError, match="exited while starting"):
+        orchestrate.wait_ready(_Server(["CUDA out of memory"], alive=False), "unpatched")
+    with pytest.raises(orchestrate.OrchestrateError, match="did not report"):
+        orchestrate.wait_ready(_Server(["loading"]), "patched", timeout=0)
+
+
+def test_each_image_gets_its_own_compile_cache(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(orchestrate, "COMPILE_CACHES", tmp_path)
+    a = orchestrate.compile_cache("gb10", "sha256:" + "a" * 64)
+    b = orchestrate.compile_cache("gb10", "sha256:" + "b" * 64)
+    assert a != b and a.is_dir() and (a.stat().st_mode & 0o777) == 0o777
+    env = dict(orchestrate.with_compile_cache(RUN_SPECS["gb10"]).env)
+    assert env["VLLM_CACHE_ROOT"].startswith(orchestrate.IN_IMAGE_CACHE)
+    assert env["HF_HUB_OFFLINE"] == "1"  # the spec's own environment stays
