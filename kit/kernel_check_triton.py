@@ -16,8 +16,11 @@ files as they are: the ``@triton.jit`` functions of ``mamba_utils.py`` (that
 module also imports half of vLLM's engine, which the kernels do not use), and
 the FLA modules as a package whose few vLLM imports (``vllm.triton_utils``,
 ``vllm.platforms``, two helpers of ``vllm.utils``) are answered by the shims
-below. Under the interpreter every autotuned FLA kernel runs its first config:
-the interpreter would otherwise run each config several times to time it.
+below. Under the interpreter, and only there, four adaptations (each where it
+is made says why): FLA's aliased builtins (``exp = tl.exp``) look ``tl`` up when
+called, chunk_delta_h's loop index is a Triton scalar, every autotuned kernel
+runs its first config, and the GDN inputs go in as fp16 instead of bf16 (the
+same values). The kernels' own code is not changed.
 
 Exit status: 0 every case within its tolerance, 1 a case is not, 2 it could
 not run (missing files, unreadable cases).
