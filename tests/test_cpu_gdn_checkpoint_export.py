@@ -524,3 +524,72 @@ def test_conv_window_at_a_wrong_position_fails_the_check(
     assert len(exports) == 2
     with pytest.raises(AssertionError, match="row 0: checkpoint conv window at offset"):
         check_against_split(scenario, exports, outs)
+
+
+# -- several states per row (what the fix under EAGLE needs) ---------------------
+def add_exports(
+    monkeypatch: pytest.MonkeyPatch, scenario: Scenario, wanted: dict[int, list[int]]
+) -> Exports:
+    """Make the op export more offsets per batch row than vLLM's metadata holds
+    (one); returns them with the blocks they go to."""
+    spare = iter(scenario.spare)
+    extra: Exports = {i: [(o, next(spare)) for o in offsets] for i, offsets in wanted.items()}
+    real = gdn_cpu._prefill_checkpoints
+
+    def with_extra(checkpoint: object, first_row: int, num_rows: int) -> list | None:
+        if checkpoint is None:  # the split schedule's steps: nothing declared
+            return real(checkpoint, first_row, num_rows)
+        points = real(checkpoint, first_row, num_rows) or [[] for _ in range(num_rows)]
+        batch_rows = checkpoint.request_rows.tolist()  # type: ignore[attr-defined]
+        for j in range(num_rows):
+            points[j] = points[j] + extra.get(batch_rows[first_row + j], [])
+        return points if any(points) else None
+
+    monkeypatch.setattr(gdn_cpu, "_prefill_checkpoints", with_extra)
+    return extra
+
+
+def check_with_extra(
+    monkeypatch: pytest.MonkeyPatch, scenario: Scenario, wanted: dict[int, list[int]]
+) -> Exports:
+    extra = add_exports(monkeypatch, scenario, wanted)
+    outs, exports = scenario.run_internal()
+    for i, points in extra.items():
+        exports[i] = sorted(exports.get(i, []) + points)
+    check_against_split(scenario, exports, outs)
+    return exports
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("seed", range(4))
+def test_several_exports_per_row(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str, seed: int
+) -> None:
+    """Up to three more states per prefill row, anywhere in the row (2 tokens in
+    reaches into the initial conv window). Even offsets: no chunk of the split
+    schedule is a single token, which vLLM would run as a decode."""
+    num_spec, with_spec = MODES[mode]
+    rng = random.Random(f"several-{mode}-{seed}")
+    rows = random_rows(rng, num_spec, with_spec) + [Row(0, rng.randint(2 * BLOCK, 500))]
+    scenario = Scenario(tiny_model_dir, rows, num_spec, seed)
+    wanted = {
+        i: rng.sample(range(2, row.length - 1, 2), min(rng.randint(1, 3), (row.length - 2) // 2))
+        for i, row in enumerate(rows)
+        if row.prefill and row.length >= 4
+    }
+    exports = check_with_extra(monkeypatch, scenario, wanted)
+    assert max(len(points) for points in exports.values()) >= 2
+
+
+@pytest.mark.parametrize("num_spec", [0, 1])
+def test_fix_positions_exported_in_one_pass(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, num_spec: int
+) -> None:
+    """The prompt checkpoint p, the predecessor one unit below it and the state
+    one unit below the last block boundary inside the prompt, from one step."""
+    row = Row(0, 230)
+    p = {0: 224, 1: 208}[num_spec]  # floor(229/16)*16; with the drop floor(230/16)*16 - 16
+    below_boundary = (row.end - 1) // BLOCK * BLOCK - UNIT  # 176
+    scenario = Scenario(tiny_model_dir, [row, Row(0, 40)], num_spec, seed=7)
+    exports = check_with_extra(monkeypatch, scenario, {0: [p - UNIT, below_boundary]})
+    assert [o for o, _ in exports[0]] == [below_boundary, p - UNIT, p]
