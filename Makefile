@@ -12,7 +12,7 @@ TREES := unpatched patched
 .PHONY: help setup test lint mods-list mods-drift regress upstream-suite tiny-model bench bench-cpu \
   turn-cost bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
   lock-models fetch-models verify-models export-models import-models \
-  build-gb10 build-strix build-cpu lint-images
+  build-gb10 build-strix build-cpu lint-images setup-host lock lock-deps
 
 help: ## list the targets and the variables they take, one line each
 	@echo "targets:"
@@ -23,8 +23,23 @@ help: ## list the targets and the variables they take, one line each
 	  sed -E 's/^# var ([A-Z_]+): /\1\t/' | awk -F'\t' '{printf "  %-20s %s\n", $$1, $$2}'
 	@echo; echo "every job is also 'kit <job>' (.venv/bin/kit --help, or $(KIT) --help)"
 
-setup: ## create .venv with the pinned CPU vLLM and torch, and the unpatched/patched trees
+setup: ## create .venv with the pinned CPU vLLM and torch (from locks/cpu-venv-<arch>.txt), and the unpatched/patched trees
 	$(PYTHON) -m kit.setup_env
+
+# var HOST_PYTHON: the Python 3.11 or 3.12 of setup-host (default: python3.12, else python3.11)
+HOST_PYTHON ?= $(or $(shell for p in python3.12 python3.11; do $$p -c '' 2>/dev/null && { echo $$p; break; }; done),python3)
+
+setup-host: ## GPU hosts: .venv with the kit, the Docker SDK and huggingface_hub only (vLLM runs in the images)
+	$(HOST_PYTHON) -m kit.setup_env --light
+
+# var TORCH_INDEX: the PyTorch CPU wheel index of setup and lock-deps (default pins.toml [cpu] torch_index; TORCH_INDEX= : pip's own)
+# (make hands a command-line TORCH_INDEX to the commands' environment itself.)
+
+lock: setup-host ## (online, once) resolve every unresolved pin: base-image digests, vLLM commits, enabled models; saves each, prints the diff
+	$(VENV_PY) -m kit.lock pins
+
+lock-deps: setup-host ## (online) re-resolve the hash locks under locks/ (gb10 aarch64/x86_64, strix, the CPU .venv) with uv
+	$(VENV_PY) -m kit.lock deps
 
 # Each phase prints its time. The whole suite runs on the patched tree; the tests
 # marked `tree` (they measure the vLLM tree under test) run on the unpatched one too.
@@ -95,23 +110,30 @@ NODES ?= 1
 # var SHARED: context lengths S of the container flow's bench, e.g. SHARED="1007 2159"
 SHARED ?=
 # VLLM=<release from pins.toml [releases]>: gb10/strix images built from that release.
+# var ARCH: gb10's image platform: aarch64 (DGX Spark) or x86_64 (the CUDA sibling; default: this host's)
+# var SOURCE_BUILD: SOURCE_BUILD=1 compiles vLLM in the gb10 image instead of the locked wheel
+# var DRY_RUN: DRY_RUN=1 checks host and pins and prints the commands bench-<target> would run
+# var HOST_RECORD: (with DRY_RUN=1) a recorded host folder, e.g. tests/data/hosts/gb10-ok
+IMAGE_OPTS = $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM)) \
+  $(if $(ARCH),--arch $(ARCH)) $(if $(filter 1,$(SOURCE_BUILD)),--source-build)
 ORCH = $(VENV_PY) -m kit.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
-  $(if $(VLLM),--vllm $(VLLM))
+  $(IMAGE_OPTS) $(if $(filter 1,$(DRY_RUN)),--dry-run) \
+  $(if $(HOST_RECORD),--recorded-host $(HOST_RECORD))
 ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED))
 
-bench-gb10: setup ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
+bench-gb10: setup-host ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
 	$(ORCH) gb10 $(ORCH_BENCH)
 
-bench-strix: setup ## Strix Halo: host check, images, offline models, suites and TTFT in containers, bundle
+bench-strix: setup-host ## Strix Halo: host check, images, offline models, suites and TTFT in containers, bundle
 	$(ORCH) strix $(ORCH_BENCH)
 
 bench-cpu-image: setup ## the same container flow for the cpu image (ENGINE=buildah without Docker)
 	$(ORCH) cpu $(ORCH_BENCH)
 
-test-gb10: setup ## the regression suite and vLLM's prefix suite inside both gb10 images
+test-gb10: setup-host ## the regression suite and vLLM's prefix suite inside both gb10 images
 	$(ORCH) gb10 --tests-only
 
-test-strix: setup ## the regression suite and vLLM's prefix suite inside both strix images
+test-strix: setup-host ## the regression suite and vLLM's prefix suite inside both strix images
 	$(ORCH) strix --tests-only
 
 test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
@@ -129,11 +151,11 @@ upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees (VL
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
 	$(KIT) tiny-model --out .models/tiny-qwen3-next
 
-build-gb10: setup ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
-	$(VENV_PY) -m kit.images gb10 $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
+build-gb10: setup-host ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE=, ARCH=, SOURCE_BUILD=1, VLLM=)
+	$(VENV_PY) -m kit.images gb10 $(IMAGE_OPTS)
 
-build-strix: setup ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
-	$(VENV_PY) -m kit.images strix $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
+build-strix: setup-host ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
+	$(VENV_PY) -m kit.images strix $(IMAGE_OPTS)
 
 build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
 	$(VENV_PY) -m kit.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
@@ -150,7 +172,7 @@ TARGET ?=
 # var MODELS_TAR: the tarball of export-models / import-models (default models-export.tar.gz)
 MODELS_TAR ?= models-export.tar.gz
 # var FULL: FULL=1 makes verify-models hash every file
-# var BASE_IMAGE: the base image of build-<target>, instead of the pinned one
+# var BASE_IMAGE: the base image of build-<target> and bench-<target>, instead of the pinned one
 MODEL_SEL = $(if $(MODEL),--model $(MODEL)) $(if $(TARGET),--target $(TARGET))
 
 lock-models: setup ## (online) resolve models.lock revisions to commits, record sizes and sha256
