@@ -20,13 +20,18 @@ recurrent states float32 (the CPU bench's ``mamba_ssm_cache_dtype``).
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import vllm
 
 gdn_cpu = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention")
 if not hasattr(gdn_cpu, "_export_conv_checkpoints"):
@@ -593,3 +598,59 @@ def test_fix_positions_exported_in_one_pass(
     scenario = Scenario(tiny_model_dir, [row, Row(0, 40)], num_spec, seed=7)
     exports = check_with_extra(monkeypatch, scenario, {0: [p - UNIT, below_boundary]})
     assert [o for o, _ in exports[0]] == [below_boundary, p - UNIT, p]
+
+
+# -- the switch ------------------------------------------------------------------
+# Builds real Qwen GDN layers (one TP rank, gloo) with the variable unset, "0" and
+# "1" in turn, in one process of its own so the distributed state stays there.
+LAYER_SCRIPT = """
+import json, os, sys, tempfile
+from pathlib import Path
+import vllm
+from vllm.config import set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
+from test_cpu_gdn_checkpoint_export import vllm_config
+
+config = vllm_config(Path(sys.argv[1]), 1)
+declared = {"vllm": vllm.__file__}
+with set_current_vllm_config(config):
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo",
+        distributed_init_method="file://" + tempfile.mktemp(),
+    )
+    initialize_model_parallel(1, 1)
+    for i, value in enumerate(["unset", "0", "1"]):
+        os.environ.pop("VLLM_CPU_GDN_PREFILL_CHECKPOINT", None)
+        if value != "unset":
+            os.environ["VLLM_CPU_GDN_PREFILL_CHECKPOINT"] = value
+        layer = QwenGatedDeltaNetAttention(
+            config.model_config.hf_text_config, config, prefix=f"model.layers.{i}.linear_attn"
+        )
+        os.environ.pop("VLLM_CPU_GDN_PREFILL_CHECKPOINT", None)  # read at construction
+        spec = layer.get_kv_cache_spec(config)
+        declared[value] = [spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment]
+print(json.dumps(declared))
+"""
+
+
+def test_declared_only_when_switched_on(tiny_model_dir: Path) -> None:
+    """Off by default (the bench and the model assume the split path), on with
+    VLLM_CPU_GDN_PREFILL_CHECKPOINT=1, read when the layer is built."""
+    tests_dir = Path(__file__).resolve().parent
+    path = [str(Path(vllm.__file__).parent.parent), str(tests_dir.parent), str(tests_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_GDN_PREFILL_CHECKPOINT"}
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    done = subprocess.run(
+        [sys.executable, "-c", LAYER_SCRIPT, str(tiny_model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    declared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert declared.pop("vllm") == vllm.__file__  # the tree under test
+    assert declared == {"unset": [0, None], "0": [0, None], "1": [1, 1]}
