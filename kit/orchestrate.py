@@ -69,6 +69,12 @@ COMPILE_CACHES = ROOT / ".cache" / "compile"
 READY_LINE = "Application startup complete"
 # A 35B checkpoint loads and compiles in minutes; an hour means something is wrong.
 SERVER_START_TIMEOUT_S = 3600
+# Per server beyond weights and KV cache: activations, graphs, the runtime (a guess
+# from vLLM's own profiling on large GPUs, to be replaced by a measurement).
+SERVER_OVERHEAD_GIB = 4
+# Of a unified-memory box's MemTotal, what the GPU side can use: the OS and the
+# host processes keep the rest (Strix Halo tends to OOM above ~0.90).
+USABLE_MEMORY_FRACTION = 0.9
 
 
 class OrchestrateError(RuntimeError):
@@ -185,6 +191,30 @@ def bench_model(target: str, key: str | None, store: Path) -> models.Entry | Non
             f"models: {exc}\n(on an offline box: 'make import-models MODELS_TAR=…')"
         ) from exc
     return chosen[0]
+
+
+def memory_fit(model: models.Entry, mem_total_gib: float | None) -> str | None:
+    """Why two servers of ``model`` do not fit the box together, or None when they do.
+
+    Both trees serve at once: twice the weights (the locked files' sizes), twice the
+    KV cache the entry sizes in bytes, and a per-server allowance for activations,
+    CUDA/HIP graphs and the runtime."""
+    if mem_total_gib is None or not model.files:
+        return None
+    weights = sum(f.size for f in model.files if f.path.endswith(".safetensors")) / hostcheck.GIB
+    args = list(model.fields.get("serve_args", []))
+    kv = 0.0
+    if "--kv-cache-memory-bytes" in args:
+        kv = int(args[args.index("--kv-cache-memory-bytes") + 1]) / hostcheck.GIB
+    need = 2 * (weights + kv + SERVER_OVERHEAD_GIB)
+    if need <= mem_total_gib * USABLE_MEMORY_FRACTION:
+        return None
+    return (
+        f"two {model.key} servers need about {need:.0f} GiB (2 x ({weights:.0f} GiB weights + "
+        f"{kv:.0f} GiB KV cache + {SERVER_OVERHEAD_GIB} GiB runtime)); this box has "
+        f"{mem_total_gib:.0f} GiB, of which about {USABLE_MEMORY_FRACTION:.0%} is usable. "
+        "Pass MODEL=<a smaller enabled entry> (see README: the Strix Halo plan)"
+    )
 
 
 # 4. suites inside both images -------------------------------------------------------
@@ -444,6 +474,10 @@ def run(plan: argparse.Namespace) -> Path:
     if plan.target != "cpu":
         refuse_unresolved(unresolved_pins(plan))
     model = bench_model(plan.target, plan.model, plan.store)
+    if model is not None:
+        problem = memory_fit(model, host["record"].get("mem_total_gib"))
+        if problem:
+            raise PlanError(problem)
     if plan.vllm:
         # Refuse early what cannot be built (the cpu image has no later release).
         images.build_args(plan.target, plan.vllm)
@@ -546,6 +580,10 @@ def dry_run(plan: argparse.Namespace) -> int:
             if e.fields.get("enabled", True) and (plan.model or e.fields.get("role") == "primary")
         ]
         model = chosen[0] if chosen else None
+        mem = hostcheck.host_record(probe or hostcheck.Probe()).get("mem_total_gib")
+        problem = memory_fit(model, mem) if model else None
+        if problem:
+            raise PlanError(problem)
         keys = " ".join(e.key for e in chosen)
         print(f"+ {sys.executable} -m kit.models verify --model {keys} --store {plan.store}")
     spec = RUN_SPECS[plan.target]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import buildah_storage, hostcheck, images, orchestrate, upstream_suite
+from kit import buildah_storage, hostcheck, images, models, orchestrate, upstream_suite
 from kit.containers import RUN_SPECS, BuildahEngine
 from tests.netprobe import host_listener
 
@@ -308,3 +308,26 @@ def test_each_image_gets_its_own_compile_cache(monkeypatch, tmp_path: Path) -> N
     env = dict(orchestrate.with_compile_cache(RUN_SPECS["gb10"]).env)
     assert env["VLLM_CACHE_ROOT"].startswith(orchestrate.IN_IMAGE_CACHE)
     assert env["HF_HUB_OFFLINE"] == "1"  # the spec's own environment stays
+
+
+def _entry(key: str, weights_gib: float, kv_bytes: int) -> models.Entry:
+    size = int(weights_gib * hostcheck.GIB)
+    return models.Entry(
+        key=key,
+        repo=f"kit-test/{key}",
+        revision="0" * 40,
+        targets=["gb10", "strix"],
+        enabled=True,
+        fields={"serve_args": ["--kv-cache-memory-bytes", str(kv_bytes)]},
+        files=[models.LockedFile("model.safetensors", size, "0" * 64)],
+    )
+
+
+def test_two_servers_must_fit_the_box_together() -> None:
+    mem = hostcheck.host_record(hostcheck.Probe(HOSTS / "strix-ok"))["mem_total_gib"]
+    gib = hostcheck.GIB
+    # Strix Halo with two BF16 copies of a 35B model: refused, with the numbers.
+    problem = orchestrate.memory_fit(_entry("bf16-35b", 67, 4 * gib), mem)
+    assert problem and "2 x (67 GiB weights + 4 GiB KV cache" in problem and "MODEL=" in problem
+    # The FP8 checkpoint GB10 serves fits twice.
+    assert orchestrate.memory_fit(_entry("fp8-35b", 36, 8 * gib), mem) is None
