@@ -21,7 +21,9 @@ same inputs and compares.
     64-token chunk boundary (FLA's ``h``; on the CPU the split schedule: the
     kernel run on the prefix up to that boundary), on random batches of
     sequences with random lengths and initial states. Both are also held to a
-    float64 recurrence. Tolerances and their reasons: ``GDN_TOLERANCE``.
+    float64 recurrence. Where the tree carries mod ``cpu-gdn-prefill-checkpoint``,
+    its export (one call for the batch, a state written at every boundary) is
+    held to FLA's ``h`` the same way. Tolerances and their reasons: ``GDN_TOLERANCE``.
 
 ``--perturb`` breaks the CPU side on purpose (``align-bias``: the accepted-token
 bias off by one in the mod's post-copy decision; ``gdn-position``: each chunk
@@ -369,6 +371,44 @@ def _cpu_gdn(
     return out, pool[1:].clone()
 
 
+def _cpu_gdn_export(
+    q: Any, k: Any, v: Any, g: Any, beta: Any, s0_kv: Any, cu: list[int], offsets: list[list[int]]
+) -> dict[str, Any] | None:
+    """The checkpoint export of mod ``cpu-gdn-prefill-checkpoint`` (its recurrence with
+    checkpoints, one call for the whole batch): the states it writes at ``offsets``
+    (per row, tokens into the row), its final states and output. None where the tree
+    does not carry the mod."""
+    import torch
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    export = getattr(gdn_attention, "_chunk_gated_delta_rule_cpu", None)
+    if export is None:
+        return None
+    n = len(cu) - 1
+    wanted = sum(len(o) for o in offsets)
+    pool = torch.zeros(1 + n + wanted, *s0_kv.shape[1:], dtype=torch.float32)
+    pool[1 : n + 1] = s0_kv
+    slots, points = iter(range(n + 1, n + 1 + wanted)), []
+    for row_offsets in offsets:
+        points.append([(o, next(slots)) for o in row_offsets])
+    out = export(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        pool,
+        torch.tensor(cu, dtype=torch.int32),
+        torch.arange(1, n + 1, dtype=torch.int32),
+        points,
+    )
+    return {
+        "states_kv": pool[n + 1 :].clone(),
+        "final_kv": pool[1 : n + 1].clone(),
+        "o": out[0].float(),
+    }
+
+
 def _float64_states(
     q: Any, k: Any, v: Any, g: Any, beta: Any, s0: Any, stops: list[int]
 ) -> list[Any]:
@@ -420,13 +460,16 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
         cu.append(cu[-1] + n)
     out, final = _cpu_gdn(q, k, v, g, beta, s0, cu)
     chunk_rows, chunk_states, ref_chunks, ref_final = [], [], [], []
+    export_offsets: list[list[int]] = []
     offset = 0  # FLA's h is indexed by chunk over the whole batch
     for i, n in enumerate(lengths):
         a = cu[i]
         stops = list(range(GDN_CHUNK, n, GDN_CHUNK))
+        shift = 1 if perturb == "gdn-position" else 0
+        export_offsets.append([stop - shift for stop in stops])
         for c, stop in enumerate(stops, start=1):
             # The split schedule: the CPU kernel run up to the chunk boundary.
-            end = stop - 1 if perturb == "gdn-position" else stop
+            end = stop - shift
             sl = slice(a, a + end)
             _, state = _cpu_gdn(
                 q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s0[i : i + 1], [0, end]
@@ -441,9 +484,12 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
         ref_final.append(ref[-1])
         offset += -(-n // GDN_CHUNK)
     empty = torch.zeros(0, GDN_V_HEADS, d, d)
+    exported = _cpu_gdn_export(q, k, v, g, beta, s0, cu, export_offsets)
     return {
         "name": name,
         "kind": "gdn",
+        # Present where the tree carries the export mod: checked like the split schedule.
+        **({"export": exported} if exported is not None else {}),
         "lengths": lengths,
         "q": q,
         "k": k,
@@ -638,6 +684,12 @@ def summary(result: dict[str, Any]) -> str:
                 f"chunk states ({case['chunk_states']['count']}) rel "
                 f"{case['chunk_states']['max_rel']:.2e}, output rel {case['output']['max_rel']:.2e}"
             )
+            if "export" in case:
+                exp = case["export"]
+                detail += (
+                    f"; export: chunk states rel {exp['chunk_states']['max_rel']:.2e}, "
+                    f"final rel {exp['final_state']['max_rel']:.2e}"
+                )
         else:
             detail = "bit for bit" if case["ok"] else "differs"
         lines.append(f"  {mark} {case['name']}: {detail}")

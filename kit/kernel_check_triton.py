@@ -423,6 +423,23 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         and inter["max_rel"] <= tol["chunk_states"]
         and output["max_rel"] <= tol["output"]
     )
+    if "export" in case:
+        # The checkpoint export (one forward call, states written at each chunk
+        # boundary) against FLA's h, final states and output.
+        exp = case["export"]
+        got_h = out["h_vk"][chunks].transpose(-1, -2) if chunks else exp["states_kv"]
+        exported = {
+            "chunk_states": {**diff(got_h, exp["states_kv"]), "count": len(chunks)},
+            "final_state": diff(out["final_vk"].transpose(-1, -2), exp["final_kv"]),
+            "output": diff(out["o"], exp["o"]),
+        }
+        fields["export"] = exported
+        ok = (
+            ok
+            and exported["chunk_states"]["max_rel"] <= tol["chunk_states"]
+            and exported["final_state"]["max_rel"] <= tol["final_state"]
+            and exported["output"]["max_rel"] <= tol["output"]
+        )
     return {"ok": ok, "tolerance": tol, **fields}
 
 

@@ -21,7 +21,7 @@ from unittest.mock import ANY
 
 import pytest
 
-from kit import kernel_check, kernel_env
+from kit import kernel_check, kernel_env, trees
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -85,8 +85,14 @@ def test_cpu_ports_match_vllm_triton_kernels(triton_env: Path, tmp_path: Path) -
     for case in by_kind["batch_memcpy"]:
         assert case["buffer"]["bitwise_equal"], case["name"]
     assert sum(c["chunk_states"]["count"] for c in by_kind["gdn"]) >= 5
+    export_mod = "cpu-gdn-prefill-checkpoint" in trees.select().mods
     for case in by_kind["gdn"]:
         tol = kernel_check.GDN_TOLERANCE
+        # The export mod's states, from one call, against FLA's chunk states.
+        assert ("export" in case) == export_mod, case["name"]
+        if export_mod:
+            assert case["export"]["chunk_states"]["max_rel"] <= tol["chunk_states"], case
+            assert case["export"]["chunk_states"]["count"] == case["chunk_states"]["count"]
         assert case["final_state"]["max_rel"] <= tol["final_state"], case["name"]
         assert case["chunk_states"]["max_rel"] <= tol["chunk_states"], case["name"]
         assert case["output"]["max_rel"] <= tol["output"], case["name"]
@@ -119,3 +125,5 @@ def test_check_fails_when_a_chunk_state_is_one_token_early(
         # Only the chunk states moved, and far past the tolerance.
         assert case["chunk_states"]["max_rel"] > 10 * tol["chunk_states"], case["name"]
         assert case["final_state"]["max_rel"] <= tol["final_state"], case["name"]
+        if "export" in case:  # the export, asked for the same wrong positions
+            assert case["export"]["chunk_states"]["max_rel"] > 10 * tol["chunk_states"]
