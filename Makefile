@@ -35,8 +35,8 @@ setup-host: ## GPU hosts: .venv with the kit, the Docker SDK and huggingface_hub
 # var TORCH_INDEX: the PyTorch CPU wheel index of setup and lock-deps (default pins.toml [cpu] torch_index; TORCH_INDEX= : pip's own)
 # (make hands a command-line TORCH_INDEX to the commands' environment itself.)
 
-lock: setup-host ## (online, once) resolve every unresolved pin: base-image digests, vLLM commits, enabled models; saves each, prints the diff
-	$(VENV_PY) -m kit.lock pins
+lock: setup-host ## (online, once) resolve every unresolved pin (TARGET=gb10|strix|cpu: one target's): base-image digests, vLLM commits, enabled models; saves each, prints the diff
+	$(VENV_PY) -m kit.lock pins $(TARGET)
 
 lock-deps: setup-host ## (online) re-resolve the hash locks under locks/ (gb10 aarch64/x86_64, strix, the CPU .venv) with uv
 	$(VENV_PY) -m kit.lock deps
