@@ -143,6 +143,8 @@ def image_digest(ref: str, base_url: str | None = None, timeout: float = 30) -> 
                 headers["Authorization"] = "Bearer " + _bearer_token(challenge, timeout)
                 continue
             raise LockError(f"{url}: HTTP {exc.code} {exc.reason}") from exc
+        except urllib.error.URLError as exc:
+            raise LockError(f"{url}: {exc.reason} (registry unreachable?)") from exc
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
         raise LockError(f"{url}: no sha256 Docker-Content-Digest in the answer ({digest!r})")
     return digest.removeprefix("sha256:")
