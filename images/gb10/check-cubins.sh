@@ -11,9 +11,12 @@ case "$1" in
   *) echo "check-cubins: no rule for $1" >&2; exit 2 ;;
 esac
 pkg=$(python -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("vllm").origin))')
-found=$(find "${pkg}" -maxdepth 1 -name '_C*.so' -print0 \
-  | xargs -0 -r -n1 cuobjdump --list-elf 2>/dev/null \
-  | grep -oE 'sm_[0-9]+[af]?' | sort -u | tr '\n' ' ')
+# A library without CUDA code makes cuobjdump exit non-zero: that counts as no code.
+found=""
+while IFS= read -r -d '' so; do
+  found+=" $(cuobjdump --list-elf "${so}" 2>/dev/null | grep -oE 'sm_[0-9]+[af]?' | tr '\n' ' ' || true)"
+done < <(find "${pkg}" -maxdepth 1 -name '_C*.so' -print0)
+found=$(tr ' ' '\n' <<< "${found}" | sed '/^$/d' | sort -u | tr '\n' ' ')
 echo "vLLM kernels carry: ${found:-nothing}"
 if ! grep -qE "${want}" <<< "${found}"; then
   echo "no ${want} code in ${pkg}/_C*.so: wrong wheel, or the source build's arch list was folded" >&2
