@@ -265,9 +265,10 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
     checkpoint for *every* chunk that could export one at its own end's
     checkpoint position (dense retention ignores where the prefill ends), and
     the worker writes it. Kept only when it is the prompt checkpoint or a block
-    boundary; otherwise the manager drops it. Either way the chunk end's own
-    partial state is not published (``_cache_partial_tail_block`` returns after
-    the checkpoint): a prompt tail the scheduler stopped at is lost.
+    boundary, and then published instead of the chunk end's own partial state;
+    otherwise dropped, and the chunk end published as on the split path (with
+    ``fix-mamba-transient-checkpoint-tail``, in both trees; vLLM itself
+    publishes neither, so a prompt tail the scheduler stopped at was lost).
     """
     n, b = case.producer_len, case.block
     lookahead = lookahead if case.eagle else 0
@@ -295,11 +296,12 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
             # Align mode cuts a chunk the budget cannot finish at a block boundary.
             end = (start + case.budget) // b * b
         position = checkpoint_position(end, case, lookahead)
-        if _exportable(case, start, end, position):
-            # The manager publishes the export (or drops it), never the chunk end.
+        if _exportable(case, start, end, position) and (position == cp.tail or position % b == 0):
+            # The manager publishes the export instead of the chunk end. A transient
+            # export is dropped and the chunk end published as on the split path
+            # (fix-mamba-transient-checkpoint-tail: vLLM publishes neither).
+            kept.append(position)
             unpublished.append(end)
-            if position == cp.tail or position % b == 0:
-                kept.append(position)
         ends.append(end)
         start = end
     return Prefill(tuple(ends), tuple(kept), tuple(unpublished))
