@@ -229,10 +229,20 @@ def test_a_target_gets_the_mods_of_one_release() -> None:
     def names(release: str | None) -> list[str]:
         return [m.name for m in mods.mods_for_target("gb10", "patched", release=release)]
 
-    assert names(None) == ["fix-cow-aliased-kv-copy", "fix-eagle-fine-prefix"]
-    assert names("0.33.0") == ["fix-cow-aliased-kv-copy", "fix-eagle-fine-prefix-lookahead"]
+    # Correctness mods every release so far needs (internal checkpoints, multi-module MTP).
+    every = [
+        "fix-mamba-mid-block-resume-stop",
+        "fix-mamba-transient-checkpoint-tail",
+        "fix-mtp-prefill-lookahead-progress",
+    ]
+    assert names(None) == ["fix-cow-aliased-kv-copy", "fix-eagle-fine-prefix", *every]
+    assert names("0.33.0") == [
+        "fix-cow-aliased-kv-copy",
+        "fix-eagle-fine-prefix-lookahead",
+        *every,
+    ]
     # 0.34.0 fixed the copy-on-write bug upstream (vllm#55112).
-    assert names("0.34.0") == ["fix-eagle-fine-prefix-lookahead"]
+    assert names("0.34.0") == ["fix-eagle-fine-prefix-lookahead", *every]
 
 
 def apply_killed_at(tree: Path, point: str, *argv: str) -> subprocess.CompletedProcess:
