@@ -47,9 +47,14 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCKS = ROOT / "locks"
 CACHE = ROOT / ".cache"
 TARGETS = ("gb10", "strix", "cpu")
-# uv's names for the platforms the images run on (glibc 2.28 or newer: Ubuntu 24.04
-# and Debian bookworm both qualify).
-PLATFORMS = {"aarch64": "aarch64-manylinux_2_28", "x86_64": "x86_64-manylinux_2_28"}
+ARCHES = ("aarch64", "x86_64")
+# The glibc the wheels may need (uv's manylinux platform tag). The images are
+# Ubuntu 24.04 (glibc 2.39); at manylinux_2_28 vLLM's tilelang (aarch64) and
+# llguidance (x86_64) have no wheel and would be compiled in the image. The CPU
+# .venv: 2.34, the lowest at which every package has a wheel (Ubuntu 22.04,
+# Debian 12, RHEL 9 and newer). Every lock is binary-only: nothing is built.
+IMAGE_GLIBC = "2_39"
+VENV_GLIBC = "2_34"
 MANIFEST_TYPES = ", ".join(
     (
         "application/vnd.oci.image.index.v1+json",
@@ -290,6 +295,11 @@ class DepLock:
     lines: tuple[str, ...]
     sdist_files: tuple[str, ...] = ()
     torch_index: bool = False
+    glibc: str = IMAGE_GLIBC
+
+    @property
+    def platform(self) -> str:
+        return f"{self.arch}-manylinux_{self.glibc}"
 
     @property
     def path(self) -> Path:
@@ -315,7 +325,7 @@ def dep_locks(data: dict | None = None) -> list[DepLock]:
             (vllm, *test_tools),
             ("requirements/build/cuda.txt",),
         )
-        for arch in PLATFORMS
+        for arch in ARCHES
     ]
     # vLLM's own TheRock set (torch +rocm, triton, the ROCm SDK wheels) from AMD's
     # index that rock.txt names; vLLM itself is compiled in the image.
@@ -346,6 +356,7 @@ def dep_locks(data: dict | None = None) -> list[DepLock]:
             data["cpu"]["python"],
             tuple(setup_env.requirements(data)),
             torch_index=True,
+            glibc=VENV_GLIBC,
         )
     )
     return locks
@@ -397,10 +408,12 @@ def resolve(lock: DepLock, uv: Path, reqdir: Path, torch_index: str, out: Path) 
         str(infile),
         *[str(reqdir / f) for f in lock.sdist_files],
         "--python-platform",
-        PLATFORMS[lock.arch],
+        lock.platform,
         "--python-version",
         lock.python,
         "--generate-hashes",
+        "--only-binary",
+        ":all:",
         "--no-header",
         "--quiet",
         "--no-strip-extras",
@@ -423,9 +436,10 @@ def write_lock(lock: DepLock, body: str, vllm_version: str, torch_index: str) ->
     # build argument, setup's TORCH_INDEX): a hash pins the file, wherever it lies.
     index = torch_index if lock.torch_index and torch_index else "none"
     head = (
-        f"# {lock.name}: hash lock for Python {lock.python} on {PLATFORMS[lock.arch]}.\n"
-        f"# Made by `make lock-deps` (kit/lock.py) from pins.toml and vLLM {vllm_version}'s "
-        f"{', '.join(lock.sdist_files) or 'pins'}; extra index: {index}.\n"
+        f"# {lock.name}: hash lock for Python {lock.python} on {lock.platform}, wheels only.\n"
+        "# Made by `make lock-deps` (kit/lock.py) from pins.toml"
+        + (f" and vLLM {vllm_version}'s {', '.join(lock.sdist_files)}" if lock.sdist_files else "")
+        + f"; extra index: {index}.\n"
         "# Installed with pip install --require-hashes; do not edit by hand.\n"
     )
     text = head + body

@@ -139,7 +139,7 @@ def install_locked(pip: list[str], lock: Path, torch_index: str) -> None:
         parts["torch"].write_text(torch)
         parts["rest"].write_text(rest)
         index = ["--extra-index-url", torch_index] if torch_index else []
-        locked = ["--require-hashes", "--no-deps", "-r"]
+        locked = ["--require-hashes", "--no-deps", "--only-binary", ":all:", "-r"]
         run(pip + index + [*locked, str(parts["torch"])])
         run(pip + [*locked, str(parts["rest"])])
 

@@ -55,7 +55,7 @@ def test_patched_stage_applies_mods_with_self_check(target: str) -> None:
 def test_gb10_installs_the_locked_wheel_and_checks_its_kernels() -> None:
     text = dockerfile("gb10")
     # Every package from the platform's hash lock, and nothing resolved by pip itself.
-    assert 'pip install --require-hashes --no-deps -r "${lock}"' in text
+    assert 'pip install --require-hashes --no-deps --only-binary :all: -r "${lock}"' in text
     assert 'lock="/tmp/locks/gb10-$(uname -m).txt"' in text
     assert "kit-check-cubins" in text and "MAX_JOBS=${MAX_JOBS}" in text
     # The source build is a switch, off by default.
@@ -275,7 +275,9 @@ def test_each_lock_is_resolved_for_its_platform_and_python(dep: lock.DepLock) ->
         assert dep.name == "strix-x86_64", f"{dep.path.name} missing: run make lock-deps"
         return
     head = dep.path.read_text().splitlines()[0]
-    assert head == f"# {dep.name}: hash lock for Python {dep.python} on {lock.PLATFORMS[dep.arch]}."
+    assert (
+        head == f"# {dep.name}: hash lock for Python {dep.python} on {dep.platform}, wheels only."
+    )
     held = _locked(dep.path)
     for line in dep.lines:  # every top-level requirement at its pinned version
         name, _, version = line.partition("==")
