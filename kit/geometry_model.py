@@ -283,6 +283,11 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
     start = 0
     while start < n:
         exported = internal_checkpoint(case, start, lookahead) if n - start <= case.budget else 0
+        if exported and patched and any(start < p < n for p in cp.extra()):
+            # The fix declines the export when the final chunk spans a state it
+            # keeps: one export holds only the prompt checkpoint, so the split path
+            # materialises them all.
+            exported = 0
         if exported:
             # The final chunk exports the prompt checkpoint.
             return Prefill((*ends, n), (*kept, exported), tuple(unpublished))
