@@ -47,16 +47,17 @@ def test_the_final_chunk_exports_instead_of_stopping(tiny_model_dir) -> None:
     assert b.hit == 144 and b.resumed_from_own_prefix()
 
 
-def test_an_off_grid_tail_stop_is_not_published(tiny_model_dir) -> None:
+def test_an_off_grid_tail_stop_is_published(tiny_model_dir) -> None:
     """internal-grid: the prompt checkpoint 2320 is off the 64-token grid, so the
-    scheduler stops there, but the manager reserved the chunk's own checkpoint
-    (2304) and publishes neither; the split path publishes 2320. (This B resumes
-    at 0 on both paths: its 40-token tail leaves no state below 2304.)"""
+    scheduler stops there, while the manager reserves the chunk's own transient
+    export (2304) and drops it. vLLM then published neither;
+    fix-mamba-transient-checkpoint-tail (both trees) publishes 2320 as the split
+    path does."""
     grid = Case(Geometry(2144, 16, 1, checkpoints="internal-grid"), 2304, 40)
     split = Case(Geometry(2144, 16, 1), 2304, 40)
-    assert producer_prefill(grid, patched=False).unpublished_ends == (2320,)
-    _, _, b_grid, _ = run_case(tiny_model_dir, grid)
-    _, _, b_split, _ = run_case(tiny_model_dir, split)
-    assert (b_grid.hit, b_split.hit) == (0, 0)
-    assert expected(grid, patched=False).mamba_partials == ()
+    assert producer_prefill(grid, patched=False).unpublished_ends == ()
+    rig, a, _, _ = run_case(tiny_model_dir, grid)
+    assert rig.chunk_ends[a.request_id] == [2320, 2344]
+    assert rig.partial_entries_of(a.request_id, 1) == [2320]
+    assert expected(grid, patched=False).mamba_partials == (2320,)
     assert expected(split, patched=False).mamba_partials == (2320,)
