@@ -9,7 +9,7 @@ VENV_PY := .venv/bin/python
 KIT := $(VENV_PY) -m kit.cli
 TREES := unpatched patched
 
-.PHONY: help setup test lint mods-list mods-drift regress upstream-suite tiny-model bench bench-cpu \
+.PHONY: stress help setup test lint mods-list mods-drift regress upstream-suite tiny-model bench bench-cpu \
   turn-cost bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images setup-host lock lock-deps
@@ -141,6 +141,11 @@ test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu 
 
 # var VLLM: a later vLLM release from pins.toml [releases] (regress, upstream-suite, images)
 VLLM ?=
+
+STRESS_SEEDS ?= 20
+
+stress: setup ## many requests over one context on every checkpoint path, every chunk checked (STRESS_SEEDS= per geometry)
+	@for tree in $(TREES); do echo "== $$tree"; $(VENV_PY) -m kit.stress --tree $$tree --seeds $(STRESS_SEEDS) || exit 1; done
 
 regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
 	$(KIT) regress $(if $(VLLM),--vllm $(VLLM))

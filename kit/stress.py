@@ -9,7 +9,7 @@ run; ``MambaStateLedger`` knows which token prefix made every state (chunk ends
 and internal exports). A request must start every prefill chunk, and its
 resume, from the state of exactly its own prefix.
 
-``python -m kit.stress`` runs seeds on the tree this process imports.
+``kit stress --tree unpatched|patched`` (``make stress``: both) runs seeds on a tree.
 """
 
 from __future__ import annotations
@@ -133,13 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", type=int, default=20, help="seeds per geometry (default 20)")
     parser.add_argument("--regime", choices=REGIMES, action="append", help="default: all")
-    parser.add_argument("--fix", action="store_true", help="turn on the patched tree's switch")
+    parser.add_argument(
+        "--tree",
+        choices=("unpatched", "patched"),
+        default="patched",
+        help="the vLLM tree to run (the patched one with the fix switched on)",
+    )
     parser.add_argument("--legacy-hashes", action="store_true", help="0.33.0+: legacy hashing")
     parser.add_argument("--out", type=Path, help="write the violations as JSON to this file")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     import tempfile
+
+    from kit import trees
+
+    # Before anything imports vllm: the tree under test first on sys.path.
+    trees.select(args.tree).activate()
 
     from kit.tiny_model import write_tiny_model
 
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             write_tiny_model(Path(tmp) / "tiny"),
             range(args.seeds),
             tuple(args.regime or REGIMES),
-            fix=args.fix,
+            fix=args.tree == "patched",
             lookahead_hashes=not args.legacy_hashes,
         )
     for regime, violations in found.items():
