@@ -140,16 +140,41 @@ def main(argv: list[str] | None = None) -> int:
         help="the vLLM tree to run (the patched one with the fix switched on)",
     )
     parser.add_argument("--legacy-hashes", action="store_true", help="0.33.0+: legacy hashing")
+    parser.add_argument(
+        "--vllm",
+        metavar="VERSION",
+        help="a later release from pins.toml [releases], run from its sdist's trees",
+    )
     parser.add_argument("--out", type=Path, help="write the violations as JSON to this file")
+    # Internal: this process already imports the tree to test (a release tree's child).
+    parser.add_argument("--in-tree", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
+    import os
     import tempfile
 
     from kit import trees
 
-    # Before anything imports vllm: the tree under test first on sys.path.
-    trees.select(args.tree).activate()
+    if args.vllm and not args.in_tree:
+        import subprocess
+
+        from kit import releases
+
+        try:
+            tree = releases.tree(args.vllm, args.tree)
+        except releases.ReleaseError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        # vLLM imports once per process: the release tree runs in a child of its own.
+        child = [sys.executable, "-m", "kit.stress", *(argv or sys.argv[1:]), "--in-tree"]
+        return subprocess.run(child, env=tree.env(VLLM_LOGGING_LEVEL="ERROR")).returncode
+    if args.in_tree:
+        if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+            import kit.release_plugin  # noqa: F401 - a release tree from its sdist
+    else:
+        # Before anything imports vllm: the tree under test first on sys.path.
+        trees.select(args.tree).activate()
 
     from kit.tiny_model import write_tiny_model
 

@@ -149,3 +149,12 @@ def test_fix_leaves_speculation_no_loss_of_its_own(release_table: dict) -> None:
         ]
         assert not losing, (release_table["vllm_version"], hashing, losing)
     assert release_table["eagle_specific_loss"]["unpatched/lookahead"]["cases"] > 0
+
+
+@pytest.mark.parametrize("tree", ["unpatched", "patched"])
+def test_the_stress_finds_no_wrong_state_on_the_newest_release(tree: str) -> None:
+    """The multi-request stress (kit/stress.py) on every checkpoint path of the
+    newest release's trees, which carry fix-mamba-mid-block-resume-stop."""
+    from kit import stress
+
+    assert stress.main(["--vllm", releases.newest(), "--tree", tree, "--seeds", "2"]) == 0
