@@ -267,14 +267,23 @@ class SchedulerRig:
         num_blocks: int = 4096,
         fix: bool = False,
         lookahead_hashes: bool = True,
+        mamba_spec: MambaSpec | None = None,
     ) -> None:
         """``fix`` turns on fix-eagle-fine-prefix's switch (only the patched tree has it);
-        ``lookahead_hashes=False``: releases after 0.32.0 with their legacy hashing."""
+        ``lookahead_hashes=False``: releases after 0.32.0 with their legacy hashing;
+        ``mamba_spec``: a real layer's spec for the Mamba group (e.g. Mamba2's,
+        ``kit.nemotron_h``) instead of the one the geometry's regime declares."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         init_none_hash(sha256)
         self.geo = geo
         self.vllm_config = build_vllm_config(model_dir, geo, fix, lookahead_hashes)
         self.kv_cache_config = kv_cache_config(geo, num_blocks)
+        if mamba_spec is not None:
+            if mamba_spec.block_size != geo.block:
+                raise ValueError(
+                    f"the layer's spec has block {mamba_spec.block_size}, the geometry {geo.block}"
+                )
+            self.kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec = mamba_spec
         if geo.num_spec and hasattr(self.vllm_config, "num_hash_lookahead_tokens"):
             # From 0.33.0 only groups flagged here count as EAGLE groups once
             # lookahead hashes clear the drop; the engine's KV-cache planning
@@ -523,13 +532,24 @@ class SchedulerRig:
 
 
 def run_case(
-    model_dir: Path, case: Case, fix: bool = False, lookahead_hashes: bool = True
+    model_dir: Path,
+    case: Case,
+    fix: bool = False,
+    lookahead_hashes: bool = True,
+    mamba_spec: MambaSpec | None = None,
 ) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
     """Run producer A to completion, measure B's per-group boundaries, then run B.
 
     ``fix`` turns on the patched tree's switch; on the unpatched tree it fails loudly.
     """
-    return run_pair(model_dir, case, *prompts(case), fix=fix, lookahead_hashes=lookahead_hashes)
+    return run_pair(
+        model_dir,
+        case,
+        *prompts(case),
+        fix=fix,
+        lookahead_hashes=lookahead_hashes,
+        mamba_spec=mamba_spec,
+    )
 
 
 def run_pair(
@@ -539,6 +559,7 @@ def run_pair(
     b_tokens: list[int],
     fix: bool = False,
     lookahead_hashes: bool = True,
+    mamba_spec: MambaSpec | None = None,
 ) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
     """``run_case`` for prompts other than the grid's: the case gives the cache geometry."""
     rig = SchedulerRig(
@@ -546,6 +567,7 @@ def run_pair(
         case.geometry,
         fix=fix,
         lookahead_hashes=lookahead_hashes,
+        mamba_spec=mamba_spec,
     )
     a = rig.run(a_tokens)
     bounds = rig.boundaries(b_tokens)

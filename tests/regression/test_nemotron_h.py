@@ -1,0 +1,41 @@
+"""A tiny Nemotron-H (Mamba2 + attention + MTP) with the real Mamba2 layer's spec.
+
+``kit.nemotron_h`` builds a real ``MambaMixer2`` from the config and runs the
+grid (blocks 64 and 384, k = 0 and 1) on the real scheduler with its spec and
+Nemotron-H's own MTP drafter config, in a process of its own (the layer needs
+vLLM's distributed state).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_mamba2_layer_declares_internal_checkpoints_and_the_model_holds(
+    tree_is_patched: bool, tmp_path: Path
+) -> None:
+    out = tmp_path / "nemotron-h.json"
+    tree = "patched" if tree_is_patched else "unpatched"
+    run = subprocess.run(
+        [sys.executable, "-m", "kit.nemotron_h", "--tree", tree, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    # What the grid's internal-1 regime assumes, now read off the real layer.
+    assert result["spec"]["num_prefill_checkpoint_blocks"] == 1
+    assert result["spec"]["prefill_checkpoint_alignment"] == 1
+    assert result["spec"]["mamba_type"] == "MAMBA2"
+    assert result["drafter"] == "nemotron_h_mtp"
+    assert result["cases"] == 108 and result["differ"] == []
