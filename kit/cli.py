@@ -31,6 +31,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "bench": ("kit.bench", "cached follow-up TTFT, unpatched vs patched, one bundle"),
     "turn-cost": ("kit.turn_cost", "where a conversation turn's time goes, both trees"),
     "stress": ("kit.stress", "many requests over one shared context, checked"),
+    "regression-figure": ("kit.regression_figure", "draw the regression grid per path and tree"),
     "nemotron-h": ("kit.nemotron_h", "a tiny Nemotron-H with a real Mamba2 layer's spec"),
     "report": ("kit.report", "render one bundle, or compare two (kit report A B)"),
     "hostcheck": ("kit.hostcheck", "check a GB10 or Strix Halo host before a run"),

@@ -326,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{regime}] wrote {out / 'regression.json'} and regression.md")
         bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
         failed |= bool(bad) or not report["geometry_identical"]
+    from kit.regression_figure import figure_for
+
+    print(f"wrote {figure_for(args.out, 'Follow-up resume per grid case, pinned release')}")
     return 1 if failed else 0
 
 

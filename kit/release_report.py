@@ -159,4 +159,8 @@ def run(
         print(f"[{regime}] EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
         print(f"[{regime}] wrote {out_dir / 'regression.json'} and regression.md")
         bad |= any({"STALE STATE", "DIFFERS"} & set(s) for s in report["summary"].values())
+    from kit.regression_figure import figure_for
+
+    root = (out_root or ROOT / "results" / "regression") / version
+    print(f"wrote {figure_for(root, f'Follow-up resume per grid case, vLLM {version}')}")
     return 1 if bad else 0

@@ -59,3 +59,32 @@ def test_the_fix_leaves_speculation_only_budget_cut_losses() -> None:
         assert row["of_which_one_step_prefill"] == 0, hashing
         assert row["of_which_at_a_budget_cut_block_state"] == row["lose_to_speculation"]
     assert trees["unpatched/legacy"]["of_which_one_step_prefill"] > 0
+
+
+def test_the_regression_grid_picture_shows_losses(tmp_path) -> None:
+    """A speculative case that loses to speculation alone is red with a black mark;
+    one at the ideal is green; drawn from a table like the committed ones."""
+    from PIL import Image
+
+    from kit.regression_figure import CELL_H, CELL_W, GREEN, LABEL_W, RED, draw, strips_of
+
+    table = {
+        "rows": [
+            {
+                "ideal": 48,
+                "unpatched": 0,
+                "patched": 48,
+                "eagle_loss_unpatched": 48,
+                "eagle_loss_patched": 0,
+            },
+        ]
+    }
+    strips = strips_of(table)
+    assert strips == [("unpatched", [(0, 48, True)]), ("patched", [(48, 48, False)])]
+    path = draw("t", [("split", strips)], tmp_path / "grid.png")
+    image = Image.open(path).convert("RGB")
+    first = 40 + 22  # the title, then the regime's heading
+    assert image.getpixel((LABEL_W + CELL_W // 2, first + CELL_H // 2)) == RED
+    assert image.getpixel((LABEL_W + CELL_W // 2, first + CELL_H + 2)) == (0, 0, 0)
+    second = first + CELL_H + 4 + 4
+    assert image.getpixel((LABEL_W + CELL_W // 2, second + CELL_H // 2)) == GREEN
