@@ -134,13 +134,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tree", choices=("unpatched", "patched"), default="patched")
+    parser.add_argument(
+        "--tree",
+        choices=("unpatched", "patched", "installed"),
+        help="the vLLM tree (default: KIT_TREE, else patched; installed: the images' own)",
+    )
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     args = parser.parse_args(argv)
     from kit import trees
 
-    trees.select(args.tree).activate()
-    result = check(fix=args.tree == "patched")
+    tree = trees.select(args.tree)
+    tree.activate()
+    # The patched tree (pinned or an image's) runs with the fix switched on.
+    result = check(fix=tree.patched)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n")
