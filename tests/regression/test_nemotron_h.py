@@ -19,7 +19,25 @@ pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _loopback_up() -> bool:
+    import socket
+
+    try:
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen()
+            # A namespace whose loopback is down binds but cannot connect.
+            socket.create_connection(server.getsockname(), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
 def test_mamba2_layer_declares_internal_checkpoints_and_the_model_holds(tmp_path: Path) -> None:
+    if not _loopback_up():
+        # The layer needs vLLM's one-rank gloo group, which binds to loopback; the
+        # images' suites run with no interface at all. The host run covers both trees.
+        pytest.skip("no loopback interface here (the images' network-cut suites)")
     out = tmp_path / "nemotron-h.json"
     # The child selects the same tree this run does (KIT_TREE: a pinned tree here,
     # the installed one inside the images).
