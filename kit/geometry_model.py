@@ -186,14 +186,15 @@ class Checkpoints:
 
 def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
     n, b, h = case.producer_len, case.block, case.unit
+    tail = checkpoint_position(n, case, lookahead)
     if not case.eagle:
-        return Checkpoints((n - 1) // b * b, (n - 1) // h * h, 0, 0)
+        return Checkpoints((n - 1) // b * b, tail, 0, 0)
     if lookahead:
         limit = _proof_limit(case, lookahead)
-        last_block, tail, crossed = limit // b * b, limit // h * h, limit // b * b
+        last_block, crossed = limit // b * b, limit // b * b
     else:
         # EAGLE drops a whole block below the last one A fills.
-        last_block, tail = max(n // b * b - b, 0), max(n // h * h - h, 0)
+        last_block = max(n // b * b - b, 0)
         # The last block boundary a follow-up that diverges inside A can share.
         crossed = (n - 1) // b * b
     if not patched:
