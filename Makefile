@@ -72,19 +72,22 @@ HOST_TARGET := $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo gb10;
   elif [ -e /dev/kfd ]; then echo strix; else echo cpu; fi)
 # var REPS: repetitions per context length (bench, bench-<target>; default 10)
 REPS ?= 10
-# var BENCH_ARGS: more arguments for the CPU bench (kit bench --help), e.g. --record-only
+# var BENCH_ARGS: more arguments for the CPU bench (kit bench --help), e.g. --record-only or "--checkpoints split"
 BENCH_ARGS ?=
+# var CHECKPOINTS: the CPU checkpoint path of bench-cpu, bench-cpu-image and turn-cost: internal (default: the GDN layers export the state, budget 8192) or split (chunk ends, budget 2048)
+CHECKPOINTS ?=
+CHECKPOINT_OPT = $(if $(CHECKPOINTS),--checkpoints $(CHECKPOINTS))
 
 bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs patched, on this host's target
 
-bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP), REPS= repetitions; writes results/<date>-cpu-<id>/
-	$(KIT) bench --reps $(REPS) $(BENCH_ARGS)
+bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP; internal checkpoint path unless CHECKPOINTS=split or BENCH_ARGS="--checkpoints split"), REPS= repetitions; writes results/<date>-cpu-<id>/
+	$(KIT) bench --reps $(REPS) $(CHECKPOINT_OPT) $(BENCH_ARGS)
 
 # var TURN_REPS: repetitions per tree and round of turn-cost (default 5)
 TURN_REPS ?= 5
 
-turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round)
-	$(KIT) turn-cost --reps $(TURN_REPS) --out results/turn-cost.json
+turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round; CHECKPOINTS=split for the split path)
+	$(KIT) turn-cost --reps $(TURN_REPS) $(CHECKPOINT_OPT) --out results/turn-cost.json
 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
 	$(KIT) loss-sweep
@@ -119,7 +122,7 @@ IMAGE_OPTS = $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm 
 ORCH = $(VENV_PY) -m kit.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
   $(IMAGE_OPTS) $(if $(filter 1,$(DRY_RUN)),--dry-run) \
   $(if $(HOST_RECORD),--recorded-host $(HOST_RECORD))
-ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED))
+ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED)) $(CHECKPOINT_OPT)
 
 bench-gb10: setup-host ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
 	$(ORCH) gb10 $(ORCH_BENCH)

@@ -13,7 +13,16 @@ instead).
 Isolation: every repetition uses a fresh context (new token ids), so one
 repetition cannot warm the next. Servers are interleaved A B A B … with the
 order swapped every repetition; one warm-up repetition is excluded.
-No pass/fail threshold on TTFT: the report gives medians, spread and ratios.
+No pass/fail threshold on TTFT: the report gives medians, spread and ratios
+(patched/unpatched per repetition: median, min-max and a seeded 95 % bootstrap
+interval of the median, per request kind and S, and pooled: later turns, cold A,
+cold B over every S).
+Checkpoint path (``--checkpoints``, CPU default): ``internal`` (default) switches
+the CPU GDN layers' in-pass export on in both servers
+(VLLM_CPU_GDN_PREFILL_CHECKPOINT=1) under an 8192-token step budget, so every
+prompt is one chunk and the layer writes the prompt checkpoint's state (the
+geometry model's "internal-1" regime); ``split`` leaves the variable out under a
+2048-token budget, and the scheduler ends a chunk at every state it keeps.
 """
 
 from __future__ import annotations
@@ -35,9 +44,14 @@ from kit.geometry_model import UNIT
 from kit.openai_client import MetricsError, RequestError
 from kit.serve import Server, ServerError, server_command, server_env, wait_healthy
 from kit.serve_args import (
-    CPU_BATCHED_TOKENS,
+    CHECKPOINT_ENV,
+    CHECKPOINT_PATHS,
     CPU_BLOCK,
-    LOCKED_BATCHED_TOKENS,
+    DEFAULT_CHECKPOINTS,
+    PATH_BUDGET,
+    PATH_ENV,
+    PATH_REGIME,
+    batched_tokens,
     cpu_serve_args,
     fix_flags,
     locked_serve_args,
@@ -51,7 +65,16 @@ from kit.ttft import (
     interleaved,
     served_geometry,
 )
-from kit.ttft_stats import distinct_cold_answers, failures, oracle_summary, summarize, table
+from kit.ttft_stats import (
+    distinct_cold_answers,
+    failures,
+    oracle_summary,
+    pooled_ratios,
+    pooled_table,
+    ratio_method,
+    summarize,
+    table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 # Exit statuses of a run stopped by a signal: 128 + the signal, as a shell reports it.
@@ -116,6 +139,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=CPU_BLOCK)
     parser.add_argument("--unit", type=int, default=UNIT)
     parser.add_argument("--num-spec", type=int, default=1, help="MTP draft tokens (0: none)")
+    parser.add_argument(
+        "--checkpoints",
+        choices=CHECKPOINT_PATHS,
+        help="how the CPU default's GDN layers materialise a state: internal (default: "
+        f"{CHECKPOINT_ENV}=1 in both servers, step budget {PATH_BUDGET['internal']}) or "
+        f"split (the variable absent, step budget {PATH_BUDGET['split']}); with --model: "
+        "split only (the served model's layers and hardware choose its path)",
+    )
     parser.add_argument(
         "--out", type=Path, help="the bundle folder (default: results/<date>-cpu-<id>)"
     )
@@ -188,6 +219,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if external and set(external) != set(TREES):
         parser.error("--server-url needs both unpatched=URL and patched=URL")
     args.external = external
+    if args.model:
+        if args.checkpoints == "internal":
+            parser.error(
+                "--checkpoints internal switches the CPU GDN export of the CPU default; "
+                "a --model's path is its layers' and hardware's: leave it out"
+            )
+        args.checkpoints = "split"
+    elif args.checkpoints is None:
+        args.checkpoints = DEFAULT_CHECKPOINTS
+    if args.checkpoints == "split" and not args.model and CHECKPOINT_ENV in os.environ:
+        parser.error(
+            f"--checkpoints split: {CHECKPOINT_ENV} is set in this environment and the "
+            "servers would inherit it; unset it (--checkpoints chooses the path)"
+        )
     if args.out is not None and bundle.existing_bundle(args.out):
         parser.error(
             f"--out {args.out} already holds a bench run ({bundle.BENCH}, {bundle.RAW} or "
@@ -213,9 +258,11 @@ def serve_plan(args: argparse.Namespace) -> tuple[list[str], list[str], dict, in
         model_dir = write_tiny_model(Path(tempfile.gettempdir()) / bundle.TINY_MODEL, weights=True)
     else:
         model_dir = write_tiny_model(ROOT / ".models" / bundle.TINY_MODEL, weights=True)
-    base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec)
+    path = args.checkpoints
+    base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec, PATH_BUDGET[path])
     record = {"tiny": "kit/tiny_model.py", "weights_sha256": weights_sha256(model_dir)}
-    return base, patched_extra, {"VLLM_CPU_KVCACHE_SPACE": "1"}, args.num_spec, record
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **PATH_ENV[path]}
+    return base, patched_extra, env, args.num_spec, record
 
 
 def start_servers(
@@ -284,15 +331,28 @@ def markdown(report: dict) -> str:
     from tabulate import tabulate
 
     headers, body = table(report["summary"])
+    pooled_headers, pooled_body = pooled_table(report["pooled_ratios"])
     oracle_part = report["oracle"]
     problems = report["failures"]
+    geo = report["geometry"]
+    method = report["ratio_method"]
+    env = " ".join(f"{k}={v}" for k, v in report["checkpoints"]["env"].items())
     return "\n".join(
         [
             f"# TTFT, unpatched vs patched, vLLM {report['run']['vllm']}",
             "",
             __doc__.strip(),
             "",
+            f"Checkpoint path: **{report['path']}** (geometry regime {geo['checkpoints']}; "
+            f"step budget {geo['budget']}; block {geo['block']}, H {geo['unit']}, "
+            f"MTP k={geo['num_spec']}; {env or 'no checkpoint variable'}).",
+            "",
             tabulate(body, headers=headers, tablefmt="github"),
+            "",
+            "Pooled over every S (ratios of the same repetition, S and request; "
+            f"{method['interval']}, {method['resamples']} resamples, seed {method['seed']}):",
+            "",
+            tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
             f"Correctness oracle (cached B vs cold B): verdicts {oracle_part['verdicts']}; "
             f"max |first-position log-prob diff| {oracle_part['max_first_logprob_diff']:.2e} "
@@ -324,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if args.print_serve_args:
-        print(json.dumps({"args": base, "patched_extra": patched_extra, "env": env}))
+        plan = {"args": base, "patched_extra": patched_extra, "env": env}
+        plan |= {"checkpoints": args.checkpoints, "budget": batched_tokens(base)}
+        print(json.dumps(plan))
         return 0
     if args.serve_only:
         cmd = server_command(
@@ -383,10 +445,10 @@ def run(
 
     if not args.model:
         write_tiny_model(out / bundle.TINY_MODEL)  # the config; the weights stay out
-    budget = LOCKED_BATCHED_TOKENS if args.model else CPU_BATCHED_TOKENS
+    budget = batched_tokens(base)
     with ExitStack() as stack:
         servers = start_servers(stack, args, base, patched_extra, env, out)
-        geo = served_geometry(servers, num_spec, budget)
+        geo = served_geometry(servers, num_spec, budget, PATH_REGIME[args.checkpoints])
         if not args.model and geo.block != args.block:
             raise MeasureError(
                 f"vLLM resolved the block to {geo.block} tokens, not the {args.block} "
@@ -411,10 +473,21 @@ def run(
             "conversation": f"4 turns, {REPLY_TOKENS}-token replies, {TURN_LEN}-token user turns",
         },
         "geometry": dataclasses.asdict(geo),
+        "path": args.checkpoints,
+        "checkpoints": {
+            "path": args.checkpoints,
+            "regime": geo.checkpoints,
+            "budget": budget,
+            # The servers' checkpoint switch (from --server-url: what the servers
+            # were told by the orchestrator, which passes the same --checkpoints).
+            "env": {k: v for k, v in env.items() if k == CHECKPOINT_ENV},
+        },
         "model": model_record,
         "reps": args.reps,
         "shared": args.shared,
         "summary": summary,
+        "pooled_ratios": pooled_ratios(rows),
+        "ratio_method": ratio_method(),
         "oracle": oracle_summary(rows, args.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers),

@@ -44,6 +44,7 @@ from kit import (
     regress,
     releases,
     sdists,
+    serve_args,
     upstream_suite,
 )
 from kit.containers import (
@@ -286,7 +287,12 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
 
 
 def bench_args(plan: argparse.Namespace, model: models.Entry | None) -> list[str]:
+    """What both servers' ``kit.bench --serve-only`` and the client get alike: the
+    target, the model, and the checkpoint path (the servers' environment and step
+    budget follow from it, the client's expected hits too)."""
     args = ["--target", plan.target]
+    if getattr(plan, "checkpoints", None):
+        args += ["--checkpoints", plan.checkpoints]
     if model is not None:
         return args + ["--model", model.key, "--store", IN_IMAGE_MODELS]
     return args + ["--model-dir", IN_IMAGE_TINY]
@@ -628,6 +634,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=10, help="TTFT repetitions")
     parser.add_argument("--shared", type=int, nargs="+", help="context lengths (bench default)")
     parser.add_argument("--model", help="models.lock key (default: the target's primary)")
+    parser.add_argument(
+        "--checkpoints",
+        choices=serve_args.CHECKPOINT_PATHS,
+        help="cpu: the bench's checkpoint path, passed to both servers and the client "
+        "(kit bench --checkpoints; default: the bench's, internal); gb10/strix: split only",
+    )
     parser.add_argument("--store", type=Path, default=models.DEFAULT_STORE)
     parser.add_argument("--nodes", type=int, default=1, help="DGX Spark boxes (only 1 today)")
     parser.add_argument("--tests-only", action="store_true", help="stop after the suites")
@@ -665,6 +677,11 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the pinned one)",
     )
     plan = parser.parse_args(argv)
+    if plan.checkpoints == "internal" and plan.target != "cpu":
+        parser.error(
+            "--checkpoints internal switches the CPU GDN export: cpu target only "
+            "(a GPU model's path is its layers' and hardware's)"
+        )
     plan.argv = list(argv if argv is not None else sys.argv[1:])
     plan.store = plan.store.resolve()  # container mounts need absolute paths
     plan.out = plan.out.resolve() if plan.out else None

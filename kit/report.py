@@ -15,7 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from kit import bundle
-from kit.ttft_stats import table
+from kit.ttft_stats import pooled_table, ratio_text, table
 
 
 def manifest_lines(manifest: dict) -> list[str]:
@@ -57,13 +57,19 @@ def render(bundles: list[Path]) -> str:
     for name, report in reports:
         headers, body = table(report["summary"])
         geo = report["geometry"]
+        pooled_headers, pooled_body = pooled_table(report["pooled_ratios"])
         out += [
             f"## {name}",
             "",
-            f"B_phys {geo['block']}, H {geo['unit']}, MTP k={geo['num_spec']}, "
+            f"Checkpoint path {report['path']} (regime {geo['checkpoints']}, step budget "
+            f"{geo['budget']}); B_phys {geo['block']}, H {geo['unit']}, MTP k={geo['num_spec']}, "
             f"{report['reps']} repetitions; prompt pair: {report['prompt_pair']}.",
             "",
             tabulate(body, headers=headers, tablefmt="github"),
+            "",
+            "Pooled over every S:",
+            "",
+            tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
             f"Oracle: {report['oracle']}",
             "",
@@ -83,9 +89,9 @@ def render(bundles: list[Path]) -> str:
                 [
                     sa["S"],
                     f"{sa['patched']['median_ms']:.1f}",
-                    f"{sa['ratio_patched_unpatched']['median']:.2f}",
+                    ratio_text(sa["ratio_patched_unpatched"]),
                     f"{sb['patched']['median_ms']:.1f}",
-                    f"{sb['ratio_patched_unpatched']['median']:.2f}",
+                    ratio_text(sb["ratio_patched_unpatched"]),
                 ]
             )
         out += [
@@ -96,9 +102,9 @@ def render(bundles: list[Path]) -> str:
                 headers=[
                     "S",
                     f"{left} patched ms",
-                    f"{left} ratio p/u",
+                    f"{left} ratio p/u [95% CI] (min-max)",
                     f"{right} patched ms",
-                    f"{right} ratio p/u",
+                    f"{right} ratio p/u [95% CI] (min-max)",
                 ],
                 tablefmt="github",
             ),

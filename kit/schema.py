@@ -12,12 +12,16 @@ from pathlib import Path
 
 KEY = "schema"
 VERSIONS = {
-    "bench": 1,  # bench.json: the TTFT run
+    # bench.json: the TTFT run. 2: the checkpoint path ("path", "checkpoints",
+    # geometry "checkpoints", every raw.json row's "path"), bootstrap intervals of
+    # the ratios, pooled ratios.
+    "bench": 2,
     "bench-failed": 1,  # failed.json: why a bench run left no bench.json
     "manifest": 1,  # manifest.json: the container flow
     "regression": 1,  # regression.json: the scheduler-level tables
     "upstream-suite": 1,  # upstream-suite.json: vLLM's prefix-cache suite, both trees
     "mods-drift": 1,  # mods-drift.json: every mod against every release
+    "turn-cost": 1,  # turn-cost.json: where a turn's time goes, per tree and path
 }
 
 

@@ -1,5 +1,6 @@
 """What the bench's servers are started with: the CPU default's tiny model or a
-models.lock entry, the geometry pins the expected hits depend on, the fix's switches."""
+models.lock entry, the geometry pins the expected hits depend on, the checkpoint
+path (its environment and step budget), the fix's switches."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from kit import models, mods
 
-# The CPU default's scheduler budget, pinned so the geometry model can use it.
+# The CPU default's scheduler budget on the split path, pinned so the geometry
+# model can use it.
 CPU_BATCHED_TOKENS = 2048
 # GPU models: their blocks reach thousands of tokens; the budget must hold one.
 LOCKED_BATCHED_TOKENS = 8192
@@ -23,6 +25,30 @@ CPU_BLOCK = 2048
 
 
 SERVED_NAME = "kit-model"
+
+# How the CPU default's GDN layers materialise a state at the prompt checkpoint
+# (``kit bench --checkpoints``, ``kit turn-cost --checkpoints``):
+# "internal": the layer exports it from inside the forward pass
+# (mods/cpu-gdn-prefill-checkpoint, switched on in both servers' environment),
+# under a budget above every bench prompt, so a prompt of up to 8192 tokens is
+# one chunk and its final chunk can span the checkpoint's block column (the
+# geometry model's "internal-1" regime: alignment 1);
+# "split": the scheduler ends a prefill chunk there (the variable absent, the
+# 2048-token budget: with 2048-token blocks no final chunk spans two block
+# columns, so the export is never reached).
+CHECKPOINT_PATHS = ("internal", "split")
+DEFAULT_CHECKPOINTS = "internal"
+CHECKPOINT_ENV = "VLLM_CPU_GDN_PREFILL_CHECKPOINT"  # the mod's opt_in_env
+INTERNAL_BATCHED_TOKENS = 8192
+PATH_BUDGET = {"internal": INTERNAL_BATCHED_TOKENS, "split": CPU_BATCHED_TOKENS}
+PATH_ENV = {"internal": {CHECKPOINT_ENV: "1"}, "split": {}}
+# Geometry.checkpoints (kit/geometry_model.py REGIMES) of each path.
+PATH_REGIME = {"internal": "internal-1", "split": "split"}
+
+
+def path_of_regime(regime: str) -> str:
+    """The bench's name for a geometry's checkpoint regime: "split" or "internal"."""
+    return "split" if regime == "split" else "internal"
 
 
 def common_serve_args(unit: int, budget: int) -> list[str]:
@@ -46,8 +72,11 @@ def common_serve_args(unit: int, budget: int) -> list[str]:
     ]
 
 
-def cpu_serve_args(model_dir: Path, block: int, unit: int, num_spec: int) -> list[str]:
-    """The CPU default: the tiny random-weight model, a large block so prefill dominates."""
+def cpu_serve_args(
+    model_dir: Path, block: int, unit: int, num_spec: int, budget: int = CPU_BATCHED_TOKENS
+) -> list[str]:
+    """The CPU default: the tiny random-weight model, a large block so prefill dominates;
+    ``budget``: the step budget of the checkpoint path (``PATH_BUDGET``)."""
     args = [
         "--model",
         str(model_dir),
@@ -61,7 +90,7 @@ def cpu_serve_args(model_dir: Path, block: int, unit: int, num_spec: int) -> lis
         "0.3",
         "--mamba-ssm-cache-dtype",
         CPU_SSM_CACHE_DTYPE,
-        *common_serve_args(unit, CPU_BATCHED_TOKENS),
+        *common_serve_args(unit, budget),
     ]
     if num_spec:
         args += [
@@ -69,6 +98,11 @@ def cpu_serve_args(model_dir: Path, block: int, unit: int, num_spec: int) -> lis
             json.dumps({"method": "mtp", "num_speculative_tokens": num_spec}),
         ]
     return args
+
+
+def batched_tokens(serve: list[str]) -> int:
+    """The step budget a server plan sets (``--max-num-batched-tokens``)."""
+    return int(serve[serve.index("--max-num-batched-tokens") + 1])
 
 
 def locked_serve_args(key: str, store: Path, unit: int) -> tuple[list[str], int]:

@@ -20,7 +20,7 @@ from kit.openai_client import (
     reset_prefix_cache,
 )
 from kit.serve import Server
-from kit.serve_args import SERVED_NAME
+from kit.serve_args import SERVED_NAME, path_of_regime
 
 PROBE_TOKEN = 13
 TURN_LEN = 48
@@ -98,6 +98,7 @@ def run_pair(
     ]
     reset_prefix_cache(server.url)
     rows.append(measure(server, tree, b, "cold_B", 0, rep, shared))
+    tag_path(rows, geo)
     rows[1]["ideal_cached"] = case.ideal
     cold, cached = rows[3], rows[1]
     verdict = oracle.judge(
@@ -121,18 +122,34 @@ def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: Geom
         rows.append(row)
         expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle)
         prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
+    return tag_path(rows, geo)
+
+
+def tag_path(rows: list[dict], geo: Geometry) -> list[dict]:
+    """Every row says which checkpoint path its server ran ("internal" or "split")."""
+    for row in rows:
+        row["path"] = path_of_regime(geo.checkpoints)
     return rows
 
 
-def served_geometry(servers: dict[str, Server], num_spec: int, budget: int) -> Geometry:
-    """The geometry the expectations use: the one both servers report."""
+def served_geometry(
+    servers: dict[str, Server], num_spec: int, budget: int, checkpoints: str = "split"
+) -> Geometry:
+    """The geometry the expectations use: the one both servers report, with the step
+    budget and checkpoint regime (``Geometry.checkpoints``) they were started with."""
     reported = {}
     for tree, server in servers.items():
         with naming(server):
             reported[tree] = cache_config_info(server.url)
     if reported["unpatched"] != reported["patched"]:
         raise MeasureError(f"the two servers' cache geometry differs: {reported}")
-    return Geometry(reported["patched"]["block"], reported["patched"]["unit"], num_spec, budget)
+    return Geometry(
+        reported["patched"]["block"],
+        reported["patched"]["unit"],
+        num_spec,
+        budget,
+        checkpoints=checkpoints,
+    )
 
 
 class MeasureError(RuntimeError):

@@ -1,12 +1,26 @@
 """Statistics and rendering of a TTFT run: medians with IQR per tree, patched/unpatched
-ratios per repetition, the oracle's tally, and every reason a run is not evidence.
-Shared by the bench command and ``make report``."""
+ratios per repetition (median, min-max and a seeded bootstrap interval of the median,
+per request kind and S and pooled), the oracle's tally, and every reason a run is not
+evidence. Shared by the bench command and ``make report``."""
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 
 from kit.ttft import TREES
+
+# The bootstrap of the median ratio: fixed, so the same rows give the same interval.
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 20_260_320
+CI_LEVEL = 0.95
+# Request kinds pooled over every S (and, for the later turns, over the turns).
+POOLED = (
+    ("turn2-turn4", ("turn2", "turn3", "turn4")),
+    ("cold_A", ("cold_A",)),
+    ("cold_B", ("cold_B",)),
+)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -47,14 +61,109 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def paired_ratio(rows: list[dict], key: str) -> dict:
-    """patched/unpatched of ``key`` per repetition (the two sides run back to back):
-    median, min and max."""
+def paired_ratios(rows: list[dict], key: str) -> list[float]:
+    """patched/unpatched of ``key`` for every pair of rows from the same repetition, S,
+    request kind and turn (the two sides run back to back), sorted: the order the
+    rows came in does not matter."""
     pairs: dict = {}
     for r in rows:
-        pairs.setdefault(r["rep"], {})[r["tree"]] = r[key]
-    ratios = sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
-    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+        pair = (r["rep"], r.get("S"), r.get("kind"), r.get("turn"))
+        pairs.setdefault(pair, {})[r["tree"]] = r[key]
+    return sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
+
+
+def paired_ratio(rows: list[dict], key: str) -> dict:
+    """The paired ratios of ``key`` (``paired_ratios``): how many, median, min, max, and
+    the 95 % bootstrap interval of the median (``bootstrap_median_ci``)."""
+    ratios = paired_ratios(rows, key)
+    return {
+        "n": len(ratios),
+        "median": statistics.median(ratios),
+        "ci95": list(bootstrap_median_ci(ratios)),
+        "min": ratios[0],
+        "max": ratios[-1],
+    }
+
+
+def bootstrap_median_ci(
+    values: list[float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = CI_LEVEL,
+) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of ``values``: ``resamples``
+    draws of len(values) with replacement from a generator seeded with ``seed``,
+    each draw's median, and the (1 - level)/2 and (1 + level)/2 quantiles of those
+    medians (linear between order statistics). The values are sorted first, so the
+    same values in any order give the same interval."""
+    if not values:
+        raise ValueError("no values to bootstrap")
+    data = sorted(values)
+    rng = random.Random(seed)
+    n = len(data)
+    medians = sorted(statistics.median(rng.choices(data, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return _quantile(medians, tail), _quantile(medians, 1 - tail)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linear between order statistics."""
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (pos - low) * (ordered[high] - ordered[low])
+
+
+def pooled_ratios(rows: list[dict]) -> list[dict]:
+    """The paired ratios of the request kinds in ``POOLED``, over every S (and turn)."""
+    out = []
+    for group, kinds in POOLED:
+        sel = [r for r in rows if r["kind"] in kinds]
+        if not sel or not paired_ratios(sel, "ttft_s"):
+            continue
+        out.append(
+            {
+                "group": group,
+                "kinds": list(kinds),
+                "S": sorted({r["S"] for r in sel}),
+                **paired_ratio(sel, "ttft_s"),
+            }
+        )
+    return out
+
+
+def ratio_method() -> dict:
+    """What bench.json says about its ratios."""
+    return {
+        "ratio": "patched TTFT / unpatched TTFT of the same repetition, S and request kind",
+        "interval": f"{CI_LEVEL:.0%} percentile bootstrap of the median of those ratios",
+        "resamples": BOOTSTRAP_RESAMPLES,
+        "seed": BOOTSTRAP_SEED,
+        "pooled": {group: list(kinds) for group, kinds in POOLED},
+    }
+
+
+def ratio_text(r: dict) -> str:
+    """median [95 % interval] (min-max)."""
+    ci = r.get("ci95")
+    interval = f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
+    return f"{r['median']:.2f}{interval} ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def pooled_table(pooled: list[dict]) -> tuple[list[str], list[list]]:
+    headers = ["requests", "S", "pairs", "ratio p/u median", "95% CI", "min-max"]
+    body = [
+        [
+            p["group"],
+            " ".join(map(str, p["S"])),
+            p["n"],
+            f"{p['median']:.2f}",
+            f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}",
+            f"{p['min']:.2f}-{p['max']:.2f}",
+        ]
+        for p in pooled
+    ]
+    return headers, body
 
 
 def table(summary: list[dict]) -> tuple[list[str], list[list]]:
@@ -66,7 +175,7 @@ def table(summary: list[dict]) -> tuple[list[str], list[list]]:
         "patched ms (IQR)",
         "cached",
         "expected u/p",
-        "ratio p/u (min-max)",
+        "ratio p/u [95% CI] (min-max)",
         "hit != expected u/p",
         "answer = cold u/p (ties, wrong)",
     ]
@@ -82,7 +191,7 @@ def table(summary: list[dict]) -> tuple[list[str], list[list]]:
                 f"{p['median_ms']:.1f} ({p['iqr_ms'][0]:.1f}-{p['iqr_ms'][1]:.1f})",
                 f"{p['median_cached']:.0f}",
                 f"{u['expected_cached']}/{p['expected_cached']}",
-                f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})",
+                ratio_text(r),
                 f"{u['flagged_no_hit']}/{p['flagged_no_hit']}",
                 "" if u.get("verdicts") is None else f"{_answers(u)} / {_answers(p)}",
             ]

@@ -5,7 +5,14 @@ default's server arguments, compiled as the server is) once per tree, each tree
 in its own process, and attributes each turn's prefill: engine steps, time in
 the model runner's steps, time in the copy-on-write block copies, and time in
 the Mamba pre-/post-processing (``cpu-mamba-align-spec``'s Python copy loop).
-Repetitions alternate the trees (A B A B ...); medians with min-max.
+Repetitions alternate the trees (A B A B ...); medians with min-max and the
+ratio's seeded 95 % bootstrap interval (``kit.ttft_stats``).
+
+``--checkpoints`` as for ``kit bench``: ``internal`` (default) switches the CPU
+GDN export on in both trees (VLLM_CPU_GDN_PREFILL_CHECKPOINT=1) under an
+8192-token step budget; ``split`` leaves it off under 2048. The JSON output
+(results/turn-cost.json) records the path and the engine steps of every turn
+per tree.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from kit import mods, serve_args, trees, ttft, ttft_stats
+from kit import mods, schema, serve_args, trees, ttft, ttft_stats
 from kit.geometry_model import UNIT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +60,11 @@ def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
         timed(mamba_mod, "postprocess_mamba_align_cpu", "mamba_post")
 
 
-def measure(tree: str, reps: int, shared: int) -> list[dict]:
-    """In a process whose ``vllm`` is the tree: per repetition and turn, the phase times."""
+def measure(
+    tree: str, reps: int, shared: int, path: str = serve_args.DEFAULT_CHECKPOINTS
+) -> list[dict]:
+    """In a process whose ``vllm`` is the tree (and whose environment has the path's
+    checkpoint switch, ``_run_tree``): per repetition and turn, the phase times."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import vllm
@@ -69,7 +79,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
         dtype="bfloat16",
         max_model_len=8192,
         block_size=serve_args.CPU_BLOCK,
-        max_num_batched_tokens=serve_args.CPU_BATCHED_TOKENS,
+        max_num_batched_tokens=serve_args.PATH_BUDGET[path],
         mamba_ssm_cache_dtype=serve_args.CPU_SSM_CACHE_DTYPE,
         enable_prefix_caching=True,
         mamba_cache_mode="align",
@@ -98,6 +108,7 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
                 out.append(
                     {
                         "tree": tree,
+                        "path": path,
                         "rep": rep,
                         "turn": turn + 1,
                         "prompt_tokens": len(prompt),
@@ -112,11 +123,20 @@ def measure(tree: str, reps: int, shared: int) -> list[dict]:
     return out
 
 
-def _run_tree(tree: str, reps: int, shared: int) -> list[dict]:
-    env = trees.pinned(tree).env(VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm" / tree))
+def tree_env(tree: str, path: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The measuring process's environment: the tree's vllm, its own compile cache, and
+    the path's checkpoint switch (set for internal, removed for split)."""
+    env = trees.pinned(tree).env(base, VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm" / tree))
+    env.pop(serve_args.CHECKPOINT_ENV, None)
+    return {**env, **serve_args.PATH_ENV[path]}
+
+
+def _run_tree(tree: str, reps: int, shared: int, path: str) -> list[dict]:
+    env = tree_env(tree, path)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kit.turn_cost", "measure", tree]
         cmd += ["--reps", str(reps), "--shared", str(shared), "--out", out.name]
+        cmd += ["--checkpoints", path]
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
         return json.loads(Path(out.name).read_text())
 
@@ -139,7 +159,20 @@ def summarize(rows: list[dict]) -> list[dict]:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def engine_steps(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Median engine steps per turn, per tree: {tree: {"turn1": n, ...}}."""
+    return {
+        tree: {
+            f"turn{turn}": statistics.median(
+                r.get("step_n", 0) for r in rows if r["tree"] == tree and r["turn"] == turn
+            )
+            for turn in sorted({r["turn"] for r in rows if r["tree"] == tree})
+        }
+        for tree in TREES
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -149,12 +182,43 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--reps", type=int, required=True)
     m.add_argument("--shared", type=int, required=True)
     m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--checkpoints", choices=serve_args.CHECKPOINT_PATHS, required=True)
     parser.add_argument("--reps", type=int, default=5, help="repetitions (default: %(default)s)")
     parser.add_argument("--shared", type=int, default=1007, help="context length S")
     parser.add_argument("--out", type=Path, help="write the rows and the summary here (JSON)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--checkpoints",
+        choices=serve_args.CHECKPOINT_PATHS,
+        default=serve_args.DEFAULT_CHECKPOINTS,
+        help=f"internal: {serve_args.CHECKPOINT_ENV}=1, step budget "
+        f"{serve_args.PATH_BUDGET['internal']}; split: the variable absent, step budget "
+        f"{serve_args.PATH_BUDGET['split']} (default: %(default)s)",
+    )
+    return parser.parse_args(argv)
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> dict:
+    """What results/turn-cost.json holds (stamped with its schema)."""
+    return schema.stamp(
+        "turn-cost",
+        {
+            "path": args.checkpoints,
+            "budget": serve_args.PATH_BUDGET[args.checkpoints],
+            "env": serve_args.PATH_ENV[args.checkpoints],
+            "reps_per_round": args.reps,
+            "shared": args.shared,
+            "engine_steps": engine_steps(rows),
+            "rows": rows,
+            "summary": summarize(rows),
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.cmd == "measure":
-        args.out.write_text(json.dumps(measure(args.tree, args.reps, args.shared)))
+        rows = measure(args.tree, args.reps, args.shared, args.checkpoints)
+        args.out.write_text(json.dumps(rows))
         return 0
     from tabulate import tabulate
 
@@ -165,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         for tree in order:
             rows += [
                 dict(r, rep=r["rep"] + round_ * args.reps)
-                for r in _run_tree(tree, args.reps, args.shared)
+                for r in _run_tree(tree, args.reps, args.shared, args.checkpoints)
             ]
-    summary = summarize(rows)
+    result = report(args, rows)
+    summary = result["summary"]
 
     def pair(line: dict, key: str, digits: int) -> str:
         scale = 1 if key.endswith("_n") else 1000
@@ -182,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 line["turn"],
                 pair(line, "step_n", 0),
                 pair(line, "wall_s", 1),
-                f"{ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f})",
+                ttft_stats.ratio_text(ratio),
                 pair(line, "step_s", 1),
                 pair(line, "cow_copy_s", 2),
                 pair(line, "mamba_pre_s", 2),
@@ -193,15 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         "turn",
         "steps u/p",
         "turn ms u/p",
-        "ratio p/u",
+        "ratio p/u [95% CI] (min-max)",
         "in steps ms u/p",
         "CoW copy ms u/p",
         "Mamba pre ms u/p",
         "Mamba post ms u/p",
     ]
+    budget = serve_args.PATH_BUDGET[args.checkpoints]
+    print(f"checkpoint path: {args.checkpoints} (step budget {budget})")
     print(tabulate(body, headers=headers))
     if args.out:
-        args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1) + "\n")
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -78,7 +78,9 @@ def test_a_container_flow_bundle_names_what_ran() -> None:
         ('{"schema": {"name": "bench", "version": 99}}', "update the kit"),
         ('{"schema": {"name": "bench", "version": 0}}', "re-run the job with this kit"),
         ('{"schema": {"name": "manifest", "version": 1}}', "a 'manifest' file, not 'bench'"),
-        ('{"schema": {"name": "bench", "version": 1}, "summary": []}', "incomplete bench record"),
+        # Version 1: before the checkpoint path and the ratios' intervals.
+        ('{"schema": {"name": "bench", "version": 1}}', "re-run the job with this kit"),
+        ('{"schema": {"name": "bench", "version": 2}, "summary": []}', "incomplete bench record"),
         ("{not json", "not valid JSON"),
     ],
 )
