@@ -255,6 +255,27 @@ class Prefill:
     unpublished_ends: tuple[int, ...] = ()
 
 
+def fix_exports(
+    case: Case, cp: Checkpoints, start: int, end: int, lookahead: int
+) -> tuple[int, ...]:
+    """The fix's states the layer exports inside the chunk ``[start, end)``, each
+    into a block of its own: no chunk end, no engine step.
+
+    0.32.0's fix only (``fix-eagle-fine-prefix``; its port to lookahead hashes
+    declines the layer's export instead), where the layer takes internal
+    checkpoints, on its grid from the chunk start; never the prompt checkpoint,
+    which the layer exports or the scheduler stops at anyway.
+    """
+    align = case.geometry.checkpoint_alignment
+    if align is None or lookahead:
+        return ()
+    return tuple(
+        sorted(
+            {p for p in cp.extra() if start < p < end and p != cp.tail and (p - start) % align == 0}
+        )
+    )
+
+
 def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
     return producer_prefill(case, patched, lookahead).ends
 
@@ -270,6 +291,8 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
     otherwise dropped, and the chunk end published as on the split path (with
     ``fix-mamba-transient-checkpoint-tail``, in both trees; vLLM itself
     publishes neither, so a prompt tail the scheduler stopped at was lost).
+    The patched tree (0.32.0) exports the fix's states inside whatever chunk
+    spans them (``fix_exports``), so its chunk ends are the unpatched tree's.
     """
     n, b = case.producer_len, case.block
     lookahead = lookahead if case.eagle else 0
@@ -284,15 +307,20 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
     start = 0
     while start < n:
         exported = internal_checkpoint(case, start, lookahead) if n - start <= case.budget else 0
-        if exported and patched and any(start < p < n for p in cp.extra()):
+        extra = fix_exports(case, cp, start, n, lookahead) if patched else ()
+        if (
+            exported
+            and patched
+            and any(start < p < n and p != exported and p not in extra for p in cp.extra())
+        ):
             # The fix declines the export when the final chunk spans a state it
-            # keeps: one export holds only the prompt checkpoint, so the split path
-            # materialises them all.
+            # keeps that the layer cannot export (lookahead hashes; off the grid),
+            # so the split path materialises them all.
             exported = 0
         if exported:
-            # The final chunk exports the prompt checkpoint.
-            return Prefill((*ends, n), (*kept, exported), tuple(unpublished))
-        inside = [s for s in stops if start < s < n]
+            # The final chunk exports the prompt checkpoint, and the fix's states.
+            return Prefill((*ends, n), (*kept, exported, *extra), tuple(unpublished))
+        inside = [s for s in stops if start < s < n and s not in extra]
         if start % b:
             next_boundary = (start // b + 1) * b
             if next_boundary < n:
@@ -308,6 +336,8 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
             # (fix-mamba-transient-checkpoint-tail: vLLM publishes neither).
             kept.append(position)
             unpublished.append(end)
+        # The fix's states inside this chunk are exported, not stopped at.
+        kept += [p for p in extra if p < end]
         ends.append(end)
         start = end
     return Prefill(tuple(ends), tuple(kept), tuple(unpublished))

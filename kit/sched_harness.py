@@ -204,9 +204,16 @@ class CheckpointWriter:
 
         self.builder = MambaPrefillCheckpointBuilder(vllm_config, spec)
 
-    def exports(self, rows: list[tuple[Request, int, list[int]]]) -> list[tuple[Request, int, int]]:
+    def exports(
+        self,
+        rows: list[tuple[Request, int, list[int]]],
+        step_exports: dict[str, dict[int, list[tuple[int, int]]]] | None = None,
+    ) -> list[tuple[Request, int, int]]:
         """``rows``: (request, tokens scheduled this step, its Mamba block ids), after
-        ``schedule()``; returns (request, block id, checkpoint position) per export."""
+        ``schedule()``; ``step_exports``: the scheduler output's
+        ``mamba_checkpoint_exports`` (the patched tree's extra states, each in a block
+        outside the block table), handed to the builder as the model runner does.
+        Returns (request, block id, checkpoint position) per export."""
         from types import SimpleNamespace
 
         if not rows:
@@ -226,15 +233,26 @@ class CheckpointWriter:
             query_start_loc=loc,
             block_table_tensor=table,
         )
+        if step_exports:
+            by_row = {
+                i: step_exports[req.request_id][MAMBA_GROUP]
+                for i, (req, _, _) in enumerate(rows)
+                if MAMBA_GROUP in step_exports.get(req.request_id, {})
+            }
+            if by_row:
+                meta.mamba_checkpoint_exports = by_row
         built = self.builder.build(meta, list(range(len(rows))))
         if built is None:
             return []
         out = []
         for i, (req, n, _) in enumerate(rows):
+            start = seq_lens[i] - n
             offset = int(built.checkpoint_offsets[i])
             if offset:
-                start = seq_lens[i] - n
                 out.append((req, int(built.state_indices[i]), start + offset))
+            extra = getattr(built, "extra_exports", None)
+            for offset, block_id in extra[i] if extra else ():
+                out.append((req, block_id, start + offset))
         return out
 
 
@@ -502,7 +520,8 @@ class SchedulerRig:
             for req_id, n in out.num_scheduled_tokens.items()
         ]
         if self.exporter is not None:
-            for req, block_id, position in self.exporter.exports(rows):
+            step_exports = getattr(out, "mamba_checkpoint_exports", None)
+            for req, block_id, position in self.exporter.exports(rows, step_exports):
                 self.ledger.record_export(req, block_id, position)
         for req, _, mamba_ids in rows:
             # schedule() has already advanced num_computed_tokens.

@@ -88,8 +88,10 @@ def test_check_exit_codes(tree: Path) -> None:
 
 def test_drift_names_mod_file_and_hunk_and_changes_nothing(tree: Path, mod: mods.Mod) -> None:
     files = mod.manifest["files"]
-    last = tree / files[-1]
-    # Damage the last file a hunk needs, so earlier files would apply cleanly.
+    damaged = "v1/kv_cache_interface.py"
+    assert files.index(damaged) > 0
+    last = tree / damaged
+    # Damage a file after the first, so earlier files would apply cleanly.
     text = last.read_text().replace(
         "def is_mamba_prefill_checkpoint_valid(", "def mamba_prefill_checkpoint_is_valid(", 1
     )
@@ -99,7 +101,7 @@ def test_drift_names_mod_file_and_hunk_and_changes_nothing(tree: Path, mod: mods
     with pytest.raises(mods.ModError) as err:
         mods.apply(tree, [mod])
     message = str(err.value)
-    assert MOD in message and files[-1] in message and "hunk #1" in message
+    assert MOD in message and damaged in message and "hunk #1" in message
     assert digest(tree, files) == before
     assert not mods.mods_record_path(tree).exists()
     out = cli("check", MOD, "--tree", str(tree))
