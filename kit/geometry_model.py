@@ -41,6 +41,10 @@ class Geometry:
     num_spec: int = 0  # k draft tokens; 0 = no speculative decoding
     budget: int = 8192  # tokens one step may schedule (max_num_batched_tokens)
     checkpoints: str = "split"  # one of REGIMES: how the layer materialises a state
+    # Internal regimes: the layer writes more states per row than the prompt
+    # checkpoint (our CPU GDN path), so the fix's states are exports; Mamba2's
+    # Triton path writes one, and the fix declines the export instead.
+    layer_extra_exports: bool = True
 
     def __post_init__(self) -> None:
         if self.checkpoints not in REGIMES:
@@ -267,7 +271,7 @@ def fix_exports(
     which the layer exports or the scheduler stops at anyway.
     """
     align = case.geometry.checkpoint_alignment
-    if align is None or lookahead:
+    if align is None or lookahead or not case.geometry.layer_extra_exports:
         return ()
     return tuple(
         sorted(

@@ -130,6 +130,15 @@ def build_vllm_config(
     )
 
 
+def extra_exports(geo: Geometry) -> dict[str, bool]:
+    """The spec field of a layer that writes more states per row than the prompt
+    checkpoint (``cpu-gdn-prefill-checkpoint``; trees without it lack the field)."""
+    field_name = "prefill_checkpoint_extra_exports"
+    if field_name not in {f.name for f in dataclasses.fields(MambaSpec)}:
+        return {}
+    return {field_name: geo.checkpoint_alignment is not None and geo.layer_extra_exports}
+
+
 def kv_cache_config(geo: Geometry, num_blocks: int) -> KVCacheConfig:
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -156,6 +165,7 @@ def kv_cache_config(geo: Geometry, num_blocks: int) -> KVCacheConfig:
                     # from inside the forward pass (as Mamba2 and FlashInfer GDN declare).
                     num_prefill_checkpoint_blocks=int(geo.checkpoint_alignment is not None),
                     prefill_checkpoint_alignment=geo.checkpoint_alignment,
+                    **extra_exports(geo),
                 ),
             ),
         ],

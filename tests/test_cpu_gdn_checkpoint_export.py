@@ -207,8 +207,12 @@ def run_step(
     rows: list[Row],
     tables: torch.Tensor,
     num_spec: int,
+    step_exports: Exports | None = None,
 ) -> tuple[list[torch.Tensor], object]:
-    """One call of the op over ``rows``; returns each row's outputs and the metadata."""
+    """One call of the op over ``rows``; returns each row's outputs and the metadata.
+
+    ``step_exports``: (offset, block) per batch row, handed to the builder as the
+    patched model runner hands it the scheduler's ``mamba_checkpoint_exports``."""
     lens = [r.length for r in rows]
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([r.end for r in rows], dtype=torch.int32)
@@ -226,6 +230,10 @@ def run_step(
         is_prefilling=torch.tensor([r.prefill for r in rows]),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
+    if step_exports:
+        common.mamba_checkpoint_exports = {  # type: ignore[attr-defined]
+            i: [(rows[i].start + o, dst) for o, dst in points] for i, points in step_exports.items()
+        }
     builder = GDNAttentionMetadataBuilder(spec, [PREFIX], config, torch.device("cpu"))
     spec_kwargs: dict[str, torch.Tensor] = {}
     if num_spec:
@@ -257,11 +265,17 @@ def builder_exports(metadata: object) -> Exports:
         return {}
     rows = checkpoint.request_rows.tolist()
     slots = checkpoint.state_indices.tolist()
-    return {
+    exports: Exports = {
         row: [(offset, slot)]
         for row, offset, slot in zip(rows, checkpoint.offsets, slots, strict=True)
         if offset > 0
     }
+    # The patched tree's further states per row (fix-eagle-fine-prefix).
+    extra = getattr(checkpoint, "extra_exports", None)
+    for row, points in zip(rows, extra, strict=True) if extra is not None else ():
+        if points:
+            exports[row] = sorted(exports.get(row, []) + points)
+    return exports
 
 
 class Scenario:
@@ -309,7 +323,9 @@ class Scenario:
     def running_block(self, i: int) -> int:
         return int(self.tables[i, (self.rows[i].end - 1) // BLOCK])
 
-    def run_internal(self) -> tuple[list[torch.Tensor], Exports]:
+    def run_internal(
+        self, step_exports: Exports | None = None
+    ) -> tuple[list[torch.Tensor], Exports]:
         outs, metadata = run_step(
             self.config,
             mamba_spec(self.num_spec, checkpoints=True),
@@ -318,6 +334,7 @@ class Scenario:
             self.rows,
             self.tables,
             self.num_spec,
+            step_exports,
         )
         return outs, builder_exports(metadata)
 
@@ -598,6 +615,48 @@ def test_fix_positions_exported_in_one_pass(
     scenario = Scenario(tiny_model_dir, [row, Row(0, 40)], num_spec, seed=7)
     exports = check_with_extra(monkeypatch, scenario, {0: [p - UNIT, below_boundary]})
     assert [o for o, _ in exports[0]] == [below_boundary, p - UNIT, p]
+
+
+def extra_exports_route() -> bool:
+    from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointMetadata
+
+    return "extra_exports" in MambaPrefillCheckpointMetadata.__dataclass_fields__
+
+
+@pytest.mark.parametrize("num_spec", [0, 1])
+def test_fix_states_through_vllm_metadata(tiny_model_dir: Path, num_spec: int) -> None:
+    """The patched tree's route end to end in the worker: the scheduler's
+    (position, block) pairs on the common metadata, vLLM's builder turning them
+    into ``extra_exports``, the op writing each; one pass, equal to the split
+    schedule. A second row, resumed mid-prompt, takes only the fix's states."""
+    if not extra_exports_route():
+        pytest.skip("the unpatched tree has no extra_exports (fix-eagle-fine-prefix)")
+    rows = [Row(0, 230), Row(3 * UNIT, 3 * UNIT + 40)]
+    p = {0: 224, 1: 208}[num_spec]
+    below_boundary = (rows[0].end - 1) // BLOCK * BLOCK - UNIT  # 176
+    scenario = Scenario(tiny_model_dir, rows, num_spec, seed=11)
+    spare = iter(scenario.spare)
+    wanted = {0: [(p - UNIT, next(spare)), (below_boundary, next(spare))], 1: [(24, next(spare))]}
+    outs, exports = scenario.run_internal(wanted)
+    assert [o for o, _ in exports[0]] == [below_boundary, p - UNIT, p]
+    assert exports[1] == wanted[1]  # no column for vLLM's own: the fix's state alone
+    check_against_split(scenario, exports, outs)
+
+
+def test_fix_state_at_a_wrong_position_fails_the_check(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same route with the op writing the fix's state one token late is caught."""
+    if not extra_exports_route():
+        pytest.skip("the unpatched tree has no extra_exports (fix-eagle-fine-prefix)")
+    real = gdn_cpu._prefill_checkpoints
+    monkeypatch.setattr(gdn_cpu, "_prefill_checkpoints", lambda *a: late_by_one(real(*a)))
+    scenario = Scenario(tiny_model_dir, [Row(3 * UNIT, 3 * UNIT + 40)], 0, seed=12)
+    wanted = {0: [(24, scenario.spare[0])]}
+    outs, exports = scenario.run_internal(wanted)
+    assert exports == wanted
+    with pytest.raises(AssertionError, match="row 0: checkpoint recurrent state at offset 24"):
+        check_against_split(scenario, exports, outs)
 
 
 # -- the switch ------------------------------------------------------------------
