@@ -20,6 +20,7 @@ import json
 import random
 from pathlib import Path
 
+from kit import schema
 from kit.geometry_model import Case, Geometry, expected
 from kit.regress import eagle_specific_loss
 
@@ -83,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.count < 1:
         parser.error("--count must be at least 1")
-    report = {"seed": args.seed, "trees": sweep(random_cases(args.count, args.seed))}
+    report = schema.stamp(
+        "loss-sweep", {"seed": args.seed, "trees": sweep(random_cases(args.count, args.seed))}
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     for key, row in report["trees"].items():
