@@ -20,6 +20,10 @@ POOLED = (
     ("turn2-turn4", ("turn2", "turn3", "turn4")),
     ("cold_A", ("cold_A",)),
     ("cold_B", ("cold_B",)),
+    # Both cold requests together (the fix's cost where no hit changes), then
+    # every other kind on its own, so each kind's median over S shows.
+    ("cold_A+cold_B", ("cold_A", "cold_B")),
+    *((kind, (kind,)) for kind in ("cached_B", "repeat_B", "turn1", "turn2", "turn3", "turn4")),
 )
 
 

@@ -110,7 +110,18 @@ def test_ratios_pair_the_same_repetition_s_and_kind() -> None:
 
 def test_pooled_groups_are_later_turns_cold_a_and_cold_b_over_every_s() -> None:
     pooled = {p["group"]: p for p in ttft_stats.pooled_ratios(_rows())}
-    assert list(pooled) == ["turn2-turn4", "cold_A", "cold_B"]
+    # Kinds with no rows (cached B, repeat B, turn 1 here) get no group.
+    assert list(pooled) == [
+        "turn2-turn4",
+        "cold_A",
+        "cold_B",
+        "cold_A+cold_B",
+        "turn2",
+        "turn3",
+        "turn4",
+    ]
+    assert pooled["cold_A+cold_B"]["n"] == 8
+    assert pooled["turn4"]["median"] == pytest.approx(1.5, abs=0.01)
     turns = pooled["turn2-turn4"]
     assert turns["n"] == 3 * 2 * 2 and turns["S"] == [1007, 2159]
     assert turns["median"] == pytest.approx(1.4)
