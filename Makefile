@@ -80,14 +80,14 @@ CHECKPOINT_OPT = $(if $(CHECKPOINTS),--checkpoints $(CHECKPOINTS))
 
 bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs patched, on this host's target
 
-bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP; internal checkpoint path unless CHECKPOINTS=split or BENCH_ARGS="--checkpoints split"), REPS= repetitions; writes results/<date>-cpu-<id>/
+bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP; internal checkpoint path unless CHECKPOINTS=split or BENCH_ARGS="--checkpoints split"; BENCH_ARGS="--arch qwen3_5_moe": the primary model's architecture), REPS= repetitions; writes results/<date>-cpu-<id>/
 	$(KIT) bench --reps $(REPS) $(CHECKPOINT_OPT) $(BENCH_ARGS)
 
 # var TURN_REPS: repetitions per tree and round of turn-cost (default 5)
 TURN_REPS ?= 5
 
-turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round; CHECKPOINTS=split for the split path)
-	$(KIT) turn-cost --reps $(TURN_REPS) $(CHECKPOINT_OPT) --out results/turn-cost.json
+turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round; CHECKPOINTS=split for the split path); results/turn-cost-<path>.json
+	$(KIT) turn-cost --reps $(TURN_REPS) $(CHECKPOINT_OPT)
 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
 	$(KIT) loss-sweep
@@ -130,7 +130,11 @@ bench-gb10: setup-host ## DGX Spark: host check, images, offline models, suites 
 bench-strix: setup-host ## Strix Halo: host check, images, offline models, suites and TTFT in containers, bundle
 	$(ORCH) strix $(ORCH_BENCH)
 
+# The container flow would silently ignore BENCH_ARGS; it refuses them instead.
+NO_BENCH_ARGS = error: bench-cpu-image takes no BENCH_ARGS (the container flow would ignore them): it takes REPS=, SHARED=, CHECKPOINTS= and serves the Qwen3-Next tiny model only; for other bench arguments, --arch qwen3_5_moe included, run make bench-cpu BENCH_ARGS=\"...\" on the host
+
 bench-cpu-image: setup ## the same container flow for the cpu image (ENGINE=buildah without Docker)
+	$(if $(strip $(BENCH_ARGS)),@echo "$(NO_BENCH_ARGS)" >&2; exit 2)
 	$(ORCH) cpu $(ORCH_BENCH)
 
 test-gb10: setup-host ## the regression suite and vLLM's prefix suite inside both gb10 images

@@ -23,6 +23,10 @@ the CPU GDN layers' in-pass export on in both servers
 prompt is one chunk and the layer writes the prompt checkpoint's state (the
 geometry model's "internal-1" regime); ``split`` leaves the variable out under a
 2048-token budget, and the scheduler ends a chunk at every state it keeps.
+Model (``--arch``, CPU default): ``qwen3_next`` (default) the tiny Qwen3-Next
+checkpoint; ``qwen3_5_moe`` the same sizes in the primary model's architecture
+(Qwen3.5/3.6-MoE, native MTP), served with --language-model-only and, where no
+torchvision is installed, the kit's torchvision stand-in (``kit/tiny_model.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -55,6 +60,14 @@ from kit.serve_args import (
     cpu_serve_args,
     fix_flags,
     locked_serve_args,
+)
+from kit.tiny_model import (
+    ARCHS,
+    DIR_NAMES,
+    arch_of,
+    needs_vision_stand_in,
+    serve_env,
+    serve_extra_args,
 )
 from kit.ttft import (
     PROBE_TOKEN,
@@ -148,6 +161,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "split only (the served model's layers and hardware choose its path)",
     )
     parser.add_argument(
+        "--arch",
+        choices=ARCHS,
+        help="the CPU default's tiny model: qwen3_next (default: Qwen3-Next) or "
+        "qwen3_5_moe (the primary model's Qwen3.5/3.6-MoE architecture, served with "
+        "--language-model-only); not with --model",
+    )
+    parser.add_argument(
         "--out", type=Path, help="the bundle folder (default: results/<date>-cpu-<id>)"
     )
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -219,6 +239,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if external and set(external) != set(TREES):
         parser.error("--server-url needs both unpatched=URL and patched=URL")
     args.external = external
+    if args.model and args.arch:
+        parser.error(
+            "--arch chooses the CPU default's tiny model; a --model is served as "
+            "models.lock says: leave --arch out"
+        )
+    args.arch = args.arch or "qwen3_next"
     if args.model:
         if args.checkpoints == "internal":
             parser.error(
@@ -250,17 +276,31 @@ def serve_plan(args: argparse.Namespace) -> tuple[list[str], list[str], dict, in
     if args.model:
         base, num_spec = locked_serve_args(args.model, args.store, args.unit)
         return base, patched_extra, {}, num_spec, {"locked": args.model}
+    arch = args.arch
     if args.model_dir:
         model_dir = args.model_dir
         if weights_sha256(model_dir) is None:
             raise models.VerifyError(f"{model_dir}: no tiny model weights; run 'make tiny-model'")
+        declared = arch_of(model_dir)
+        if (model_dir / "config.json").is_file() and declared != arch:
+            raise models.VerifyError(
+                f"{model_dir}: its config.json declares model type {declared or 'unknown'}, "
+                f"not --arch {arch}; pass the --arch of the model there (kit tiny-model "
+                f"--arch {arch} writes one)"
+            )
     elif args.serve_only:  # inside an image the kit's folder is read-only
-        model_dir = write_tiny_model(Path(tempfile.gettempdir()) / bundle.TINY_MODEL, weights=True)
+        tmp = Path(tempfile.gettempdir())
+        model_dir = write_tiny_model(tmp / DIR_NAMES[arch], weights=True, arch=arch)
     else:
-        model_dir = write_tiny_model(ROOT / ".models" / bundle.TINY_MODEL, weights=True)
+        model_dir = write_tiny_model(ROOT / ".models" / DIR_NAMES[arch], weights=True, arch=arch)
     path = args.checkpoints
     base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec, PATH_BUDGET[path])
-    record = {"tiny": "kit/tiny_model.py", "weights_sha256": weights_sha256(model_dir)}
+    base += serve_extra_args(arch)
+    record = {
+        "tiny": "kit/tiny_model.py",
+        "arch": arch,
+        "weights_sha256": weights_sha256(model_dir),
+    }
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **PATH_ENV[path]}
     return base, patched_extra, env, args.num_spec, record
 
@@ -274,16 +314,32 @@ def start_servers(
     out: Path,
 ) -> dict[str, Server]:
     """Both servers up (or, with --server-url, both reachable); each one's stop is
-    registered before any starts, so a failure never leaves the other running."""
+    registered before any starts, so a failure never leaves the other running.
+
+    A tiny model whose vLLM code needs more than the tree (``tiny_model.serve_env``:
+    the torchvision stand-in of Qwen3.5/3.6) gets it in a folder of this run's,
+    removed when the run ends."""
+    pinned = {} if args.external else {tree: trees.pinned(tree) for tree in TREES}
+    arch_env = {tree: {} for tree in TREES}
+    if pinned and args.arch != "qwen3_next":
+        scratch = Path(tempfile.mkdtemp(prefix="kit-bench-"))
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        for tree, found in pinned.items():
+            # The tree's search path first: the value replaces the one the tree sets.
+            arch_env[tree] = serve_env(args.arch, scratch / "vision-stand-in", found.search_path)
     servers = {
         tree: Server(
             tree,
             base + (patched_extra if tree == "patched" else []),
             out / bundle.LOGS / f"server-{tree}.log",
-            tree=None if args.external else trees.pinned(tree),
+            tree=pinned.get(tree),
             # One compile cache per tree: the two servers start at once, and one
             # tree's compiled artifacts should never be what the other runs.
-            env={**env, "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm" / tree)},
+            env={
+                **env,
+                **arch_env[tree],
+                "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm" / tree),
+            },
             startup_timeout=args.startup_timeout,
             url_override=args.external[tree].rstrip("/") if args.external else None,
         )
@@ -327,6 +383,14 @@ def run_record(args: argparse.Namespace, servers: dict[str, Server]) -> dict:
     }
 
 
+def model_label(record: dict) -> str:
+    """The model of a bench.json ``model`` record, for the markdown header."""
+    if "locked" in record:
+        return f"models.lock {record['locked']}"
+    # Records written before --arch existed are the Qwen3-Next tiny model's.
+    return f"tiny {record.get('arch', 'qwen3_next')} (CPU default)"
+
+
 def markdown(report: dict) -> str:
     from tabulate import tabulate
 
@@ -339,7 +403,8 @@ def markdown(report: dict) -> str:
     env = " ".join(f"{k}={v}" for k, v in report["checkpoints"]["env"].items())
     return "\n".join(
         [
-            f"# TTFT, unpatched vs patched, vLLM {report['run']['vllm']}",
+            f"# TTFT, unpatched vs patched, vLLM {report['run']['vllm']}, "
+            f"{model_label(report.get('model') or {})}",
             "",
             __doc__.strip(),
             "",
@@ -386,12 +451,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_serve_args:
         plan = {"args": base, "patched_extra": patched_extra, "env": env}
         plan |= {"checkpoints": args.checkpoints, "budget": batched_tokens(base)}
+        if not args.model:
+            # Started here, such servers also get the torchvision stand-in on their
+            # PYTHONPATH (kit.tiny_model.serve_env) when this says true.
+            plan |= {"arch": args.arch, "vision_stand_in": needs_vision_stand_in(args.arch)}
         print(json.dumps(plan))
         return 0
     if args.serve_only:
         cmd = server_command(
             args.host, args.port, base + (patched_extra if args.serve_only == "patched" else [])
         )
+        if not args.model and needs_vision_stand_in(args.arch):
+            # The installed vllm (search path empty); a folder of this server's own.
+            scratch = Path(tempfile.mkdtemp(prefix="kit-serve-"))
+            env = {**env, **serve_env(args.arch, scratch / "vision-stand-in")}
         print("$ " + shlex.join(cmd), flush=True)
         os.execve(cmd[0], cmd, server_env(env))
     chosen = args.out is None
@@ -443,8 +516,8 @@ def run(
 
     from kit.tiny_model import write_tiny_model
 
-    if not args.model:
-        write_tiny_model(out / bundle.TINY_MODEL)  # the config; the weights stay out
+    if not args.model:  # the config; the weights stay out
+        write_tiny_model(out / DIR_NAMES[args.arch], arch=args.arch)
     budget = batched_tokens(base)
     with ExitStack() as stack:
         servers = start_servers(stack, args, base, patched_extra, env, out)

@@ -11,7 +11,8 @@ container flow's target) holds:
 - ``suites/<stage>/`` (container flow): what ran inside each image, with the
   image's own record ``image.json``; ``regression/regression.{json,md}`` and
   ``upstream-suite.json`` compare the two stages;
-- ``logs/``, and the tiny model's config in ``tiny-qwen3-next/``;
+- ``logs/``, and the tiny model's config in ``tiny-qwen3-next/`` (``kit bench --arch
+  qwen3_5_moe``: ``tiny-qwen3_5-moe/``);
 - ``environment/``: ``pip-freeze.txt`` of the environment that ran the bench
   (and ``collect-env.txt``, vLLM's report, when it could be made).
 

@@ -21,7 +21,7 @@ VERSIONS = {
     "regression": 1,  # regression.json: the scheduler-level tables
     "upstream-suite": 1,  # upstream-suite.json: vLLM's prefix-cache suite, both trees
     "mods-drift": 1,  # mods-drift.json: every mod against every release
-    "turn-cost": 1,  # turn-cost.json: where a turn's time goes, per tree and path
+    "turn-cost": 1,  # turn-cost-<path>.json: where a turn's time goes, per tree and path
     "loss-sweep": 1,  # loss-sweep.json: the geometry model over random geometries
 }
 

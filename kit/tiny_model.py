@@ -151,6 +151,9 @@ QWEN3_5_CONFIG: dict = {
 }
 
 ARCHS = ("qwen3_next", "qwen3_5_moe")
+# Each architecture's folder name: under .models/ (``kit tiny-model``, ``kit bench``),
+# in a bench bundle (the config) and in the temp dir of ``kit bench --serve-only``.
+DIR_NAMES = {"qwen3_next": "tiny-qwen3-next", "qwen3_5_moe": "tiny-qwen3_5-moe"}
 
 
 def serve_extra_args(arch: str = "qwen3_next") -> list[str]:
@@ -168,6 +171,16 @@ def serve_extra_args(arch: str = "qwen3_next") -> list[str]:
 def _check_arch(arch: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; known: {ARCHS}")
+
+
+def arch_of(model_dir: Path) -> str | None:
+    """The tiny architecture a model folder's ``config.json`` declares (its
+    ``model_type``), or None where there is no config or another model type."""
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if model_type in ARCHS else None
 
 
 # vLLM 0.32.0 cannot import its Qwen3.5 code without torchvision:
@@ -384,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         help="qwen3_5_moe: the Qwen3.5/3.6-MoE form, served with --language-model-only",
     )
     args = parser.parse_args(argv)
-    out = args.out or Path(
-        ".models/tiny-qwen3-next" if args.arch == "qwen3_next" else ".models/tiny-qwen3_5-moe"
-    )
+    out = args.out or Path(".models") / DIR_NAMES[args.arch]
     print(write_tiny_model(out, weights=not args.config_only, arch=args.arch))
     return 0
 

@@ -10,9 +10,10 @@ ratio's seeded 95 % bootstrap interval (``kit.ttft_stats``).
 
 ``--checkpoints`` as for ``kit bench``: ``internal`` (default) switches the CPU
 GDN export on in both trees (VLLM_CPU_GDN_PREFILL_CHECKPOINT=1) under an
-8192-token step budget; ``split`` leaves it off under 2048. The JSON output
-(results/turn-cost.json) records the path and the engine steps of every turn
-per tree.
+8192-token step budget; ``split`` leaves it off under 2048. The JSON output,
+one file per path (``results/turn-cost-<path>.json`` unless ``--out`` says
+otherwise, so one path's run never replaces the other's), records the path and
+the engine steps of every turn per tree.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from kit.geometry_model import UNIT
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ttft.TREES
+
+
+def default_out(path: str) -> Path:
+    """Where a run of checkpoint path ``path`` writes its JSON by default."""
+    return ROOT / "results" / f"turn-cost-{path}.json"
 
 
 def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
@@ -185,7 +191,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--checkpoints", choices=serve_args.CHECKPOINT_PATHS, required=True)
     parser.add_argument("--reps", type=int, default=5, help="repetitions (default: %(default)s)")
     parser.add_argument("--shared", type=int, default=1007, help="context length S")
-    parser.add_argument("--out", type=Path, help="write the rows and the summary here (JSON)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write the rows and the summary here (JSON; default: "
+        "results/turn-cost-<path>.json, the --checkpoints path's own file)",
+    )
     parser.add_argument(
         "--checkpoints",
         choices=serve_args.CHECKPOINT_PATHS,
@@ -194,11 +205,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{serve_args.PATH_BUDGET['internal']}; split: the variable absent, step budget "
         f"{serve_args.PATH_BUDGET['split']} (default: %(default)s)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.cmd != "measure" and args.out is None:
+        args.out = default_out(args.checkpoints)
+    return args
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> dict:
-    """What results/turn-cost.json holds (stamped with its schema)."""
+    """What results/turn-cost-<path>.json holds (stamped with its schema)."""
     return schema.stamp(
         "turn-cost",
         {
@@ -267,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = serve_args.PATH_BUDGET[args.checkpoints]
     print(f"checkpoint path: {args.checkpoints} (step budget {budget})")
     print(tabulate(body, headers=headers))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results: {args.out}")
     return 0
 
 
