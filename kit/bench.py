@@ -312,6 +312,7 @@ def start_servers(
     patched_extra: list[str],
     env: dict,
     out: Path,
+    pinned: dict[str, trees.Tree] | None = None,
 ) -> dict[str, Server]:
     """Both servers up (or, with --server-url, both reachable); each one's stop is
     registered before any starts, so a failure never leaves the other running.
@@ -319,7 +320,8 @@ def start_servers(
     A tiny model whose vLLM code needs more than the tree (``tiny_model.serve_env``:
     the torchvision stand-in of Qwen3.5/3.6) gets it in a folder of this run's,
     removed when the run ends."""
-    pinned = {} if args.external else {tree: trees.pinned(tree) for tree in TREES}
+    if pinned is None:
+        pinned = {} if args.external else {tree: trees.pinned(tree) for tree in TREES}
     arch_env = {tree: {} for tree in TREES}
     if pinned and args.arch != "qwen3_next":
         scratch = Path(tempfile.mkdtemp(prefix="kit-bench-"))
@@ -367,14 +369,19 @@ def start_servers(
     return servers
 
 
-def run_record(args: argparse.Namespace, servers: dict[str, Server]) -> dict:
+def run_record(
+    args: argparse.Namespace, servers: dict[str, Server], tree_records: dict[str, dict]
+) -> dict:
+    """``tree_records``: the trees' mod records as the servers were started from them
+    (read before, not after: a mod edited during the run rebuilds a tree on the next
+    ``trees.pinned``, and the record must name what was served)."""
     return {
         "host": bundle.host_record(),
         "pins_sha256": pins.file_sha256(),
         "vllm": pins.get("vllm.version"),
         # Servers in images: the images' records are in the manifest (and the
         # orchestrator copies them here); started here: the trees' mod records.
-        "trees": {} if args.external else {t: trees.pinned(t).mods_record() for t in TREES},
+        "trees": tree_records,
         "servers": {t: s.url for t, s in servers.items()},
         "commands": {
             "bench": [sys.executable, "-m", "kit.bench", *sys.argv[1:]],
@@ -519,8 +526,10 @@ def run(
     if not args.model:  # the config; the weights stay out
         write_tiny_model(out / DIR_NAMES[args.arch], arch=args.arch)
     budget = batched_tokens(base)
+    pinned = {} if args.external else {tree: trees.pinned(tree) for tree in TREES}
+    tree_records = {tree: found.mods_record() for tree, found in pinned.items()}
     with ExitStack() as stack:
-        servers = start_servers(stack, args, base, patched_extra, env, out)
+        servers = start_servers(stack, args, base, patched_extra, env, out, pinned)
         geo = served_geometry(servers, num_spec, budget, PATH_REGIME[args.checkpoints])
         if not args.model and geo.block != args.block:
             raise MeasureError(
@@ -563,7 +572,7 @@ def run(
         "ratio_method": ratio_method(),
         "oracle": oracle_summary(rows, args.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
-        "run": run_record(args, servers),
+        "run": run_record(args, servers, tree_records),
     }
     # The environment that ran the servers: started here, this one; in images,
     # the client's (the same image as the patched server).

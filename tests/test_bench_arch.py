@@ -281,7 +281,10 @@ def fake(host, port, args):
     return [sys.executable, "-c", dump, script, "--port", str(port), "--state", str(folder)]
 kit.serve.server_command = fake
 kit.trees.pinned = lambda name, target="cpu": kit.trees.Tree(name, package / name / "vllm")
-kit.trees.Tree.mods_record = lambda self: {"mods": []}
+# Whether any server had been started when the trees' records were read.
+kit.trees.Tree.mods_record = lambda self: {
+    "mods": [], "servers_started": any(state.glob("*/args.json"))
+}
 kit.bundle.record_environment = lambda out: {}
 kit.ttft.IDLE_GAP_S = 0
 from kit import bench, tiny_model
@@ -317,6 +320,8 @@ def test_a_variant_run_serves_records_and_bundles_it(tmp_path: Path) -> None:
     assert report["model"]["arch"] == Q35
     assert report["path"] == "internal"
     assert report["run"]["commands"]["patched"].count("--language-model-only") == 1
+    # The trees' records were read before the servers started (what was served).
+    assert report["run"]["trees"] == {t: {"mods": [], "servers_started": False} for t in ttft.TREES}
     config = json.loads((out / "tiny-qwen3_5-moe" / "config.json").read_text())
     assert config["model_type"] == Q35
     assert not (out / bundle.TINY_MODEL).exists()
