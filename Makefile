@@ -38,8 +38,9 @@ setup-host: ## GPU hosts: .venv with the kit, the Docker SDK and huggingface_hub
 lock: setup-host ## (online, once) resolve every unresolved pin (TARGET=gb10|strix|cpu: one target's): base-image digests, vLLM commits, enabled models; saves each, prints the diff
 	$(VENV_PY) -m kit.lock pins $(TARGET)
 
-lock-deps: setup-host ## (online) re-resolve the hash locks under locks/ (gb10 aarch64/x86_64, strix, the CPU .venv) with uv
-	$(VENV_PY) -m kit.lock deps
+# lock-deps needs no .venv (kit/lock.py is standard library only): it makes setup-host's own lock.
+lock-deps: ## (online) re-resolve the hash locks under locks/ (gb10 aarch64/x86_64, strix, the CPU .venv, setup-host's per platform) with uv
+	$(HOST_PYTHON) -m kit.lock deps
 
 # Each phase prints its time. The whole suite runs on the patched tree; the tests
 # marked `tree` (they measure the vLLM tree under test) run on the unpatched one too.

@@ -16,11 +16,14 @@ unresolved, naming it and why.
 
 ``deps`` (make lock-deps): the hash locks under ``locks/`` that the images and the
 CPU .venv install with ``pip install --require-hashes``: one per image and
-platform (resolved for aarch64 and x86_64 on any machine, no GPU needed) and one
-for the CPU .venv. uv does the resolving (its version is pinned in
-``[lock]``); it reads the indexes pip is configured with, plus the wheel
-indexes the inputs name themselves (AMD's, in vLLM's ``rock.txt``) and the
-PyTorch CPU index (``TORCH_INDEX``, empty to use pip's configuration alone).
+platform (resolved for aarch64 and x86_64 on any machine, no GPU needed), one
+for the CPU .venv, and one per platform for the GPU hosts' light .venv
+(``host-venv-<arch>``, made for Python 3.11 and checked to resolve the same for
+3.12). It needs no .venv: any Python 3.11 or 3.12 runs it. uv does the resolving
+(its version is pinned in ``[lock]``); it reads the indexes pip is configured
+with, plus the wheel indexes the inputs name themselves (AMD's, in vLLM's
+``rock.txt``) and the PyTorch CPU index (``TORCH_INDEX``, empty to use pip's
+configuration alone).
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ ARCHES = ("aarch64", "x86_64")
 # Debian 12, RHEL 9 and newer). Every lock is binary-only: nothing is built.
 IMAGE_GLIBC = "2_39"
 VENV_GLIBC = "2_34"
+# The GPU hosts' light .venv (make setup-host): 2.28 (RHEL 8, Ubuntu 20.04 and
+# newer), the lowest at which hf-xet has an aarch64 wheel. The hosts' platforms:
+HOST_GLIBC = "2_28"
+HOST_ARCHES = ARCHES
 MANIFEST_TYPES = ", ".join(
     (
         "application/vnd.oci.image.index.v1+json",
@@ -296,6 +303,10 @@ class DepLock:
     sdist_files: tuple[str, ...] = ()
     torch_index: bool = False
     glibc: str = IMAGE_GLIBC
+    # Further Pythons the lock serves: each is resolved too and must come out the
+    # same (uv lists every file's hash of a version, so only the versions and the
+    # markers could differ), else make lock-deps fails and the lock must be split.
+    also_pythons: tuple[str, ...] = ()
 
     @property
     def platform(self) -> str:
@@ -359,6 +370,19 @@ def dep_locks(data: dict | None = None) -> list[DepLock]:
             glibc=VENV_GLIBC,
         )
     )
+    # make setup-host: the kit's host side only (Python 3.11 or 3.12).
+    first, *more = (f"{major}.{minor}" for major, minor in setup_env.LIGHT_PYTHONS)
+    locks += [
+        DepLock(
+            setup_env.host_lock(arch).stem,
+            arch,
+            first,
+            tuple(setup_env.light_requirements(data)),
+            glibc=HOST_GLIBC,
+            also_pythons=tuple(more),
+        )
+        for arch in HOST_ARCHES
+    ]
     return locks
 
 
@@ -398,7 +422,9 @@ def _extract_requirements(sdist: Path, version: str, dest: Path) -> Path:
     return dest
 
 
-def resolve(lock: DepLock, uv: Path, reqdir: Path, torch_index: str, out: Path) -> None:
+def resolve(
+    lock: DepLock, uv: Path, reqdir: Path, torch_index: str, out: Path, python: str = ""
+) -> None:
     infile = reqdir / f"{lock.name}.in"
     infile.write_text("".join(f"{line}\n" for line in lock.lines))
     cmd = [
@@ -410,7 +436,7 @@ def resolve(lock: DepLock, uv: Path, reqdir: Path, torch_index: str, out: Path) 
         "--python-platform",
         lock.platform,
         "--python-version",
-        lock.python,
+        python or lock.python,
         "--generate-hashes",
         "--only-binary",
         ":all:",
@@ -431,6 +457,12 @@ def resolve(lock: DepLock, uv: Path, reqdir: Path, torch_index: str, out: Path) 
     subprocess.run(cmd, check=True, cwd=reqdir, env={**os.environ, "UV_NO_CONFIG": "1"})
 
 
+def _resolved_for(lock: DepLock, uv: Path, reqdir: Path, torch_index: str, python: str) -> str:
+    out = reqdir / f"{lock.name}-py{python}.out"
+    resolve(lock, uv, reqdir, torch_index, out, python)
+    return out.read_text()
+
+
 def write_lock(lock: DepLock, body: str, vllm_version: str, torch_index: str) -> str:
     # Which index to install from is the installer's business (the Dockerfile's
     # build argument, setup's TORCH_INDEX): a hash pins the file, wherever it lies.
@@ -440,7 +472,13 @@ def write_lock(lock: DepLock, body: str, vllm_version: str, torch_index: str) ->
         "# Made by `make lock-deps` (kit/lock.py) from pins.toml"
         + (f" and vLLM {vllm_version}'s {', '.join(lock.sdist_files)}" if lock.sdist_files else "")
         + f"; extra index: {index}.\n"
-        "# Installed with pip install --require-hashes; do not edit by hand.\n"
+        + (
+            f"# Resolved the same for Python {', '.join(lock.also_pythons)}: "
+            "one lock serves both.\n"
+            if lock.also_pythons
+            else ""
+        )
+        + "# Installed with pip install --require-hashes; do not edit by hand.\n"
     )
     text = head + body
     tmp = lock.path.with_name(lock.path.name + ".tmp")
@@ -459,18 +497,33 @@ def main_deps(args: argparse.Namespace) -> int:
         print(f"error: unknown lock in {args.only}; known: {known}", file=sys.stderr)
         return 2
     uv = uv_binary(data["lock"]["uv"])
-    sdist = sdists.pinned()
     LOCKS.mkdir(exist_ok=True)
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
-        reqdir = _extract_requirements(sdist, data["vllm"]["version"], Path(tmp))
+        reqdir = Path(tmp)
+        if any(lock.sdist_files for lock in chosen):  # the host locks need no sdist
+            _extract_requirements(sdists.pinned(), data["vllm"]["version"], reqdir)
         for lock in chosen:
             out = Path(tmp) / f"{lock.name}.out"
             try:
                 resolve(lock, uv, reqdir, args.torch_index, out)
+                differs = [
+                    python
+                    for python in lock.also_pythons
+                    if _resolved_for(lock, uv, reqdir, args.torch_index, python) != out.read_text()
+                ]
             except subprocess.CalledProcessError:
                 failed.append(lock.name)
                 print(f"{lock.name}: not resolved (kept {lock.path.name} as it was)", flush=True)
+                continue
+            if differs:
+                failed.append(lock.name)
+                print(
+                    f"{lock.name}: Python {', '.join(differs)} resolves differently from "
+                    f"{lock.python}, so one lock cannot serve both: split it per Python in "
+                    f"kit/lock.py (kept {lock.path.name} as it was)",
+                    flush=True,
+                )
                 continue
             old = lock.path.read_text() if lock.path.exists() else ""
             new = write_lock(lock, out.read_text(), data["vllm"]["version"], args.torch_index)

@@ -8,7 +8,9 @@ overrides, empty leaves pip's own configuration). Runs with the system Python
 3.11 and the standard library only.
 
 ``--light`` (make setup-host, the GPU hosts): Python 3.11 or 3.12, and only the
-kit, the Docker SDK and huggingface_hub; vLLM runs in the images.
+kit, the Docker SDK and huggingface_hub, by hash from locks/host-venv-<arch>.txt
+(one lock per platform serves both Pythons; make lock-deps checks that they
+resolve the same); vLLM runs in the images.
 """
 
 from __future__ import annotations
@@ -105,14 +107,38 @@ def light_requirements(pins: dict) -> list[str]:
     ]
 
 
-def light_healthy() -> bool:
-    """Any .venv (a full one too) that imports the host-side packages and this kit."""
+def host_lock(arch: str | None = None) -> Path:
+    """The light setup's hash lock for a platform (default: this machine's)."""
+    return LOCKS / f"host-venv-{arch or platform.machine()}.txt"
+
+
+def light_healthy(lock_sha256: str) -> bool:
+    """A full .venv, or a light one made from this lock, that imports the host-side
+    packages and this kit. A light .venv from another lock (or from before the
+    locks, unhashed) is stale."""
     if not PY.exists():
+        return False
+    try:
+        stamp = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
+    except json.JSONDecodeError:
+        return False
+    if "light" in stamp and stamp.get("lock_sha256") != lock_sha256:
         return False
     probe = subprocess.run(
         [str(PY), "-c", "import docker, huggingface_hub, tabulate"], capture_output=True
     )
     return probe.returncode == 0 and kit_installed()
+
+
+def purelib() -> Path:
+    """The .venv's site-packages."""
+    out = subprocess.run(
+        [str(PY), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip())
 
 
 def lock_blocks(lock: Path) -> tuple[str, str]:
@@ -163,23 +189,33 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        if args.force or not light_healthy():
+        lock = host_lock()
+        if not lock.is_file():
+            print(
+                f"error: no hash lock for the host setup on {platform.machine()}: "
+                f"{lock.relative_to(ROOT)} is missing; make it with `make lock-deps` "
+                f"(this lock alone: {Path(sys.executable).name} -m kit.lock deps "
+                f"--only {lock.stem}; a platform kit/lock.py HOST_ARCHES lacks must be "
+                "added there first)",
+                file=sys.stderr,
+            )
+            return 2
+        want = {
+            "light": light_requirements(pins),
+            "python": version,
+            "lock_sha256": hashlib.sha256(lock.read_bytes()).hexdigest(),
+        }
+        if args.force or not light_healthy(want["lock_sha256"]):
             if VENV.exists():
                 shutil.rmtree(VENV)
             run([sys.executable, "-m", "venv", str(VENV)])
-            run([str(PY), "-m", "pip", "install", "-q", *light_requirements(pins)])
+            # The whole closure by hash, no resolver (the lock is every package).
+            pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+            run([*pip, "--require-hashes", "--no-deps", "--only-binary", ":all:", "-r", str(lock)])
             # The kit from this checkout, by path: Python 3.12 venvs have no setuptools
             # to build an editable install with, and the kit needs no build.
-            site = subprocess.run(
-                [str(PY), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout.strip()
-            (Path(site) / "hybrid_prefix_kit.pth").write_text(f"{ROOT}\n")
-            STAMP.write_text(
-                json.dumps({"light": light_requirements(pins), "python": version}, indent=1) + "\n"
-            )
+            (purelib() / "hybrid_prefix_kit.pth").write_text(f"{ROOT}\n")
+            STAMP.write_text(json.dumps(want, indent=1) + "\n")
         print(f"{VENV}: host setup ready (the kit, docker, huggingface_hub)")
         return 0
     if sys.version_info[:2] != tuple(int(x) for x in pins["cpu"]["python"].split(".")):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import lock, pins
+from kit import lock, pins, setup_env
 from tests.hub_server import COMMIT, REPO, FakeHub, HubServer, tiny_repo_files
 
 pytestmark = pytest.mark.cpu
@@ -241,3 +241,81 @@ def test_set_pin_refuses_a_missing_key_and_leaves_the_file(tmp_path: Path) -> No
     assert path.read_text() == f'[vllm]\n# why\ncommit = "{"a" * 40}"\n'
     with pytest.raises(lock.LockError, match="no tag in \\[vllm\\]"):
         lock.set_pin(path, "vllm", "tag", "v1")
+
+
+FAKE_UV = """#!{python}
+# uv pip compile as make lock-deps calls it: the arguments to calls.jsonl, a
+# one-package lock to -o (another version for Python 3.12 when asked to differ).
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_UV_CALLS"], "a") as f:
+    f.write(json.dumps(args) + "\\n")
+python = args[args.index("--python-version") + 1]
+version = "2.0" if python == "3.12" and os.environ.get("FAKE_UV_DIFFER") else "1.0"
+with open(args[args.index("-o") + 1], "w") as f:
+    f.write(f"kit-fake-package=={{version}} \\\\\\n    --hash=sha256:{{'0' * 64}}\\n")
+"""
+
+
+def _lock_deps(tmp_path: Path, monkeypatch, *only: str) -> tuple[int, list[list[str]]]:
+    """`kit.lock deps --only ...` with a fake uv and locks/ in tmp_path (no network)."""
+    uv = tmp_path / "uv"
+    uv.write_text(FAKE_UV.format(python=sys.executable))
+    uv.chmod(0o755)
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_UV_CALLS", str(calls))
+    monkeypatch.setattr(lock, "uv_binary", lambda version: uv)
+    monkeypatch.setattr(lock, "LOCKS", tmp_path / "locks")
+    monkeypatch.setattr(lock, "pip_config", dict)
+
+    def no_sdist(*args) -> Path:
+        raise AssertionError("the host locks need no vLLM sdist")
+
+    monkeypatch.setattr("kit.sdists.pinned", no_sdist)
+    argv = ["deps", "--torch-index", ""] + [a for name in only for a in ("--only", name)]
+    rc = lock.main(argv)
+    return rc, [json.loads(line) for line in calls.read_text().splitlines()]
+
+
+def test_the_host_locks_are_one_per_platform_for_both_pythons() -> None:
+    host = {d.name: d for d in lock.dep_locks() if d.name.startswith("host-venv-")}
+    assert sorted(host) == [f"host-venv-{arch}" for arch in sorted(lock.HOST_ARCHES)]
+    for arch in lock.HOST_ARCHES:
+        dep = host[f"host-venv-{arch}"]
+        assert dep.path == setup_env.host_lock(arch)
+        assert dep.lines == tuple(setup_env.light_requirements(pins.load()))
+        assert dep.platform == f"{arch}-manylinux_{lock.HOST_GLIBC}"
+        pythons = (dep.python, *dep.also_pythons)
+        assert pythons == tuple(f"{a}.{b}" for a, b in setup_env.LIGHT_PYTHONS)
+        assert not dep.sdist_files and not dep.torch_index
+
+
+def test_lock_deps_writes_a_host_lock_resolved_alike_for_both_pythons(
+    tmp_path: Path, monkeypatch
+) -> None:
+    rc, calls = _lock_deps(tmp_path, monkeypatch, "host-venv-aarch64")
+    assert rc == 0
+    assert [c[c.index("--python-version") + 1] for c in calls] == ["3.11", "3.12"]
+    assert {c[c.index("--python-platform") + 1] for c in calls} == {
+        f"aarch64-manylinux_{lock.HOST_GLIBC}"
+    }
+    assert all("--generate-hashes" in c for c in calls)
+    text = (tmp_path / "locks" / "host-venv-aarch64.txt").read_text()
+    assert text.startswith(
+        f"# host-venv-aarch64: hash lock for Python 3.11 on aarch64-manylinux_{lock.HOST_GLIBC}"
+    )
+    assert "# Resolved the same for Python 3.12" in text and "kit-fake-package==1.0 " in text
+
+
+def test_lock_deps_refuses_one_host_lock_for_pythons_that_resolve_apart(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    (tmp_path / "locks").mkdir()
+    kept = tmp_path / "locks" / "host-venv-x86_64.txt"
+    kept.write_text("# the committed lock\n")
+    monkeypatch.setenv("FAKE_UV_DIFFER", "1")
+    rc, _ = _lock_deps(tmp_path, monkeypatch, "host-venv-x86_64")
+    assert rc == 1
+    out = capsys.readouterr().out
+    assert "Python 3.12 resolves differently from 3.11" in out and "split it per Python" in out
+    assert kept.read_text() == "# the committed lock\n"
