@@ -696,7 +696,7 @@ print(json.dumps(declared))
 
 
 def test_declared_only_when_switched_on(tiny_model_dir: Path) -> None:
-    """Off by default (the bench and the model assume the split path), on with
+    """Off by default (the split path; the bench switches it on itself), on with
     VLLM_CPU_GDN_PREFILL_CHECKPOINT=1, read when the layer is built."""
     tests_dir = Path(__file__).resolve().parent
     path = [str(Path(vllm.__file__).parent.parent), str(tests_dir.parent), str(tests_dir)]
