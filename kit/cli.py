@@ -24,7 +24,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "mods-drift": ("kit.mods_drift", "every mod against every known vLLM release"),
     "models": ("kit.models", "models.lock: lock, fetch, verify, export, import weights"),
     "tiny-model": ("kit.tiny_model", "write the tiny Qwen3-Next model (config, weights)"),
-    "regress": ("kit.regress", "the geometry grid on vLLM's real scheduler, both trees"),
+    "regress": ("kit.regress_cli", "the geometry grid on vLLM's real scheduler, both trees"),
     "loss-sweep": ("kit.loss_sweep", "EAGLE-specific loss over seeded random geometries"),
     "upstream-suite": ("kit.upstream_suite", "vLLM's own prefix-cache tests on both trees"),
     "kernel-check": ("kit.kernel_check", "the kit's CPU kernels against vLLM's Triton ones"),

@@ -7,7 +7,7 @@ sides on the host. Writes into ``--out``:
 - ``regression-suite.xml`` / ``.log``: ``pytest tests/regression`` against the
   installed vLLM (in the unpatched image the cases that encode the regression
   are strict xfails, so both sides exit 0 when the fix behaves);
-- ``regress.json``: every geometry measured (``kit.regress measure``), the
+- ``regress.json``: every geometry measured (``kit.regress_cli measure``), the
   patched side with the fix's switch on;
 - ``upstream-<stage>.xml`` / ``.log``: vLLM's ``tests/v1/core/prefix_cache``
   from the pinned sdist, when ``--upstream-tests`` names the unpacked tests;
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "tiny")
-        measure = [py, "-m", "kit.regress", "measure", "--model-dir", str(model)]
+        measure = [py, "-m", "kit.regress_cli", "measure", "--model-dir", str(model)]
         measure += ["--out", str(args.out / "regress.json")]
         measure += ["--fix"] if args.stage == "patched" else []
         status["regress_measure"] = _run(measure, args.out / "regress.log")

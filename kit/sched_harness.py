@@ -55,6 +55,18 @@ EOS_TOKEN_ID = 2
 
 
 @dataclass(frozen=True)
+class Violation:
+    """A chunk (or a resume) that started from a state another prefix made."""
+
+    request_id: str
+    step: int
+    kind: str  # "resume" or "chunk"
+    position: int  # tokens the state should cover
+    state_covers: int | None  # tokens the state held covers (None: no state recorded)
+    same_prefix: bool  # the state's tokens are a prefix of the request's (a truncated state)
+
+
+@dataclass(frozen=True)
 class Boundaries:
     """Where a follow-up would resume, measured group by group.
 
@@ -456,9 +468,7 @@ class SchedulerRig:
     def drive(self, arrivals) -> list:
         """Run many requests at once (``kit.stress.Arrival``: added before a given step),
         to completion; every resume and every prefill chunk is checked against the
-        ledger. Returns the ``kit.stress.Violation`` list (empty: every state right)."""
-        from kit.stress import Violation
-
+        ledger. Returns the ``Violation`` list (empty: every state right)."""
         pending = sorted(arrivals, key=lambda a: a.step)
         live: list[Request] = []
         violations: list[Violation] = []

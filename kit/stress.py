@@ -20,8 +20,12 @@ import random
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kit.geometry_model import REGIMES, Geometry
+
+if TYPE_CHECKING:  # the harness imports vLLM: only at run time, after the tree is chosen
+    from kit.sched_harness import Violation
 
 CONTEXT_BASE = 100
 TAIL_BASE = 20_000  # each request's own tokens: distinct from the context and each other
@@ -32,18 +36,6 @@ class Arrival:
     step: int  # the engine step before which the request is added
     tokens: tuple[int, ...]
     max_tokens: int
-
-
-@dataclass(frozen=True)
-class Violation:
-    """A chunk (or a resume) that started from a state another prefix made."""
-
-    request_id: str
-    step: int
-    kind: str  # "resume" or "chunk"
-    position: int  # tokens the state should cover
-    state_covers: int | None  # tokens the state held covers (None: no state recorded)
-    same_prefix: bool  # the state's tokens are a prefix of the request's (a truncated state)
 
 
 def waves(geo: Geometry, seed: int, num_waves: int = 4, per_wave: int = 3) -> list[Arrival]:
