@@ -9,7 +9,6 @@ of the group is left, also when the API server itself already died.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit.loopback import urlopen
+from kit.process_group import ProcessGroupError, stop_group
 from kit.trees import Tree
 
 PORT_IN_USE = "Address already in use"
@@ -76,39 +76,6 @@ def wait_healthy(
             pass
         time.sleep(1.0)
     raise ServerError(f"{name}: not healthy after {timeout:.0f} s at {url}")
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, read from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the command name, which is in parentheses and may hold spaces.
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            found.append(int(entry.name))
-    return sorted(found)
-
-
-def stop_group(pgid: int, grace: float = 20.0) -> None:
-    """SIGTERM the whole group, SIGKILL what is left after ``grace`` s, and wait until
-    no member is alive."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while group_members(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not group_members(pgid):
-            return
-    raise ServerError(f"process group {pgid} survived SIGKILL: {group_members(pgid)}")
 
 
 @dataclass
@@ -222,7 +189,10 @@ class Server:
         process = self.process
         if process is None:
             return
-        stop_group(process.pid, grace)
+        try:
+            stop_group(process.pid, grace)
+        except ProcessGroupError as exc:
+            raise ServerError(f"{self.describe()}: {exc}") from exc
         try:
             process.wait(timeout=grace)
         except subprocess.TimeoutExpired:  # a leader that outlived SIGKILL

@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kit import bundle, pins, schema, sdists, trees
-from kit.serve import stop_group
+from kit.process_group import stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"

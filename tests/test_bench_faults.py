@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kit import bench, bundle
-from kit.serve import group_members
+from kit.process_group import group_members
 
 ROOT = Path(__file__).resolve().parent.parent
 

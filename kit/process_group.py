@@ -1,0 +1,50 @@
+"""A child's whole process group: who is still alive in it, and stopping all of it.
+
+vLLM forks engine-core and worker processes, and pytest forks its workers; killing
+only the leader orphans them. The kit starts such children as group leaders
+(``start_new_session``) and stops the group, waiting until no member is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+class ProcessGroupError(RuntimeError):
+    pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the command name, which is in parentheses and may hold spaces.
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def stop_group(pgid: int, grace: float = 20.0) -> None:
+    """SIGTERM the whole group, SIGKILL what is left after ``grace`` s, and wait until
+    no member is alive."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not group_members(pgid):
+            return
+    raise ProcessGroupError(f"process group {pgid} survived SIGKILL: {group_members(pgid)}")
