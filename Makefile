@@ -24,23 +24,23 @@ help: ## list the targets and the variables they take, one line each
 	@echo; echo "every job is also 'kit <job>' (.venv/bin/kit --help, or $(KIT) --help)"
 
 setup: ## create .venv with the pinned CPU vLLM and torch (from locks/cpu-venv-<arch>.txt), and the unpatched/patched trees
-	$(PYTHON) -m kit.setup_env
+	$(PYTHON) -m kit.vllm_tree.setup_env
 
 # var HOST_PYTHON: the Python 3.11 or 3.12 of setup-host (default: python3.12, else python3.11)
 HOST_PYTHON ?= $(or $(shell for p in python3.12 python3.11; do $$p -c '' 2>/dev/null && { echo $$p; break; }; done),python3)
 
 setup-host: ## GPU hosts: .venv with the kit, the Docker SDK and huggingface_hub only (vLLM runs in the images)
-	$(HOST_PYTHON) -m kit.setup_env --light
+	$(HOST_PYTHON) -m kit.vllm_tree.setup_env --light
 
 # var TORCH_INDEX: the PyTorch CPU wheel index of setup and lock-deps (default pins.toml [cpu] torch_index; TORCH_INDEX= : pip's own)
 # (make hands a command-line TORCH_INDEX to the commands' environment itself.)
 
 lock: setup-host ## (online, once) resolve every unresolved pin (TARGET=gb10|strix|cpu: one target's): base-image digests, vLLM commits, enabled models; saves each, prints the diff
-	$(VENV_PY) -m kit.lock pins $(TARGET)
+	$(VENV_PY) -m kit.images.lock pins $(TARGET)
 
-# lock-deps needs no .venv (kit/lock.py is standard library only): it makes setup-host's own lock.
+# lock-deps needs no .venv (kit/images/lock.py is standard library only): it makes setup-host's own lock.
 lock-deps: ## (online) re-resolve the hash locks under locks/ (gb10 aarch64/x86_64, strix, the CPU .venv, setup-host's per platform) with uv
-	$(HOST_PYTHON) -m kit.lock deps
+	$(HOST_PYTHON) -m kit.images.lock deps
 
 # Each phase prints its time. The whole suite runs on the patched tree; the tests
 # marked `tree` (they measure the vLLM tree under test) run on the unpatched one too.
@@ -54,9 +54,9 @@ test: setup lint ## everything CI runs: lint, the suite (tree-dependent tests on
 	@$(PHASE) "pytest, unpatched tree, tests marked tree" \
 	  env KIT_TREE=unpatched $(VENV_PY) -m pytest -q -p no:cacheprovider -m tree
 	@$(PHASE) "vLLM's prefix-cache suite, pinned release, both trees (read from a container-flow run on the same code when there is one)" \
-	  $(VENV_PY) -m kit.upstream_suite --reuse-flow
+	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --reuse-flow
 	@$(PHASE) "vLLM's prefix-cache suite, newest release, both trees" \
-	  $(VENV_PY) -m kit.upstream_suite --vllm newest
+	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --vllm newest
 
 lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff check kit tests
@@ -93,7 +93,7 @@ turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
 	$(KIT) loss-sweep
 
-# vLLM's kernels run in .venv-triton (kit/kernel_env.py builds it), never in .venv.
+# vLLM's kernels run in .venv-triton (kit/rig/kernel_env.py builds it), never in .venv.
 .PHONY: kernel-check
 kernel-check: setup ## the kit's CPU kernels (align copies, CPU GDN) against vLLM's own Triton kernels under Triton's interpreter; results/kernel-check.json
 	$(KIT) kernel-check --out results/kernel-check.json
@@ -104,7 +104,7 @@ BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/benc
 report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU bundle) as Markdown
 	$(KIT) report $(BUNDLES)
 
-# The container flow (kit/orchestrate.py): host check, images built or reused,
+# The container flow (kit/images/orchestrate.py): host check, images built or reused,
 # models verified offline, both suites inside both images, the TTFT comparison
 # on an isolated network, one bundle under results/.
 # var ENGINE: the container engine of the flow: auto, docker or buildah (default auto)
@@ -120,7 +120,7 @@ SHARED ?=
 # var HOST_RECORD: (with DRY_RUN=1) a recorded host folder, e.g. tests/data/hosts/gb10-ok
 IMAGE_OPTS = $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM)) \
   $(if $(ARCH),--arch $(ARCH)) $(if $(filter 1,$(SOURCE_BUILD)),--source-build)
-ORCH = $(VENV_PY) -m kit.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
+ORCH = $(VENV_PY) -m kit.images.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
   $(IMAGE_OPTS) $(if $(filter 1,$(DRY_RUN)),--dry-run) \
   $(if $(HOST_RECORD),--recorded-host $(HOST_RECORD))
 ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED)) $(CHECKPOINT_OPT)
@@ -153,7 +153,7 @@ VLLM ?=
 STRESS_SEEDS ?= 20
 
 stress: setup ## many requests over one context on every checkpoint path, every chunk checked (STRESS_SEEDS= per geometry)
-	@for tree in $(TREES); do echo "== $$tree"; $(VENV_PY) -m kit.stress --tree $$tree --seeds $(STRESS_SEEDS) || exit 1; done
+	@for tree in $(TREES); do echo "== $$tree"; $(VENV_PY) -m kit.rig.stress --tree $$tree --seeds $(STRESS_SEEDS) || exit 1; done
 
 regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
 	$(KIT) regress $(if $(VLLM),--vllm $(VLLM))
@@ -165,13 +165,13 @@ tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to 
 	$(KIT) tiny-model --out .models/tiny-qwen3-next
 
 build-gb10: setup-host ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE=, ARCH=, SOURCE_BUILD=1, VLLM=)
-	$(VENV_PY) -m kit.images gb10 $(IMAGE_OPTS)
+	$(VENV_PY) -m kit.images.build gb10 $(IMAGE_OPTS)
 
 build-strix: setup-host ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
-	$(VENV_PY) -m kit.images strix $(IMAGE_OPTS)
+	$(VENV_PY) -m kit.images.build strix $(IMAGE_OPTS)
 
 build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
-	$(VENV_PY) -m kit.images cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
+	$(VENV_PY) -m kit.images.build cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
 lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores only)
 	.venv/bin/hadolint images/*/Dockerfile

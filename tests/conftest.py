@@ -2,7 +2,7 @@
 
 ``KIT_TREE=unpatched|patched`` (default ``patched``) puts ``.trees/<name>`` first
 on ``sys.path``; ``KIT_TREE=installed`` (the images) uses the installed vllm
-(``kit.trees.select``).
+(``kit.vllm_tree.trees.select``).
 Markers: ``cpu`` (runs here), ``container`` (needs buildah and the cpu images;
 skipped with the command that builds them, a failure under
 ``KIT_REQUIRE_CONTAINERS=1`` as in CI).
@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def _select_tree():
-    from kit import trees
+    from kit.vllm_tree import trees
 
     try:
         tree = trees.select()
@@ -40,7 +40,7 @@ def _select_tree():
     return tree
 
 
-# The tree under test (kit.trees.Tree), chosen before anything imports vllm.
+# The tree under test (kit.vllm_tree.trees.Tree), chosen before anything imports vllm.
 TREE = _select_tree()
 TREE_PATH = TREE.package if TREE else None
 
@@ -77,7 +77,7 @@ def tree_is_patched() -> bool:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kit.tiny_model import write_tiny_model
+    from kit.weights.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next"))
 
@@ -85,7 +85,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_multi_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny config with three NEXTN layers: multi-module MTP for k = 3."""
-    from kit.tiny_model import write_tiny_model
+    from kit.weights.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-next-mtp3"), mtp_modules=3)
 
@@ -93,8 +93,9 @@ def tiny_multi_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def cpu_images() -> dict[str, str]:
     """The cpu image refs in buildah's storage, by stage."""
-    from kit import images, orchestrate
-    from kit.containers import BuildahEngine
+    from kit.images import build as images
+    from kit.images import orchestrate
+    from kit.images.containers import BuildahEngine
 
     engine = BuildahEngine()
     refs = {s: orchestrate.image_ref("buildah", "cpu", s) for s in images.STAGES}

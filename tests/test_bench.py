@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kit import bench, serve_args, trees, ttft
-from kit.geometry_model import Geometry, expected
-from kit.openai_client import (
+from kit.bench import run as bench
+from kit.bench import serve_args, ttft
+from kit.bench.openai_client import (
     MetricsError,
     RequestError,
     cache_config_info,
@@ -22,7 +22,9 @@ from kit.openai_client import (
     parse_cache_config_info,
     parse_counters,
 )
-from kit.serve import Server, ServerError
+from kit.bench.serve import Server, ServerError
+from kit.geometry.geometry_model import Geometry, expected
+from kit.vllm_tree import trees
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 
@@ -94,7 +96,7 @@ def test_server_that_fails_to_start_is_reported(tmp_path: Path, tree: trees.Tree
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tree: trees.Tree):
-    from kit.tiny_model import write_tiny_model
+    from kit.weights.tiny_model import write_tiny_model
 
     home = tmp_path_factory.mktemp("bench")
     args = serve_args.cpu_serve_args(

@@ -18,8 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from kit import bench, bundle, orchestrate, schema, serve_args, tiny_model, trees, ttft, turn_cost
-from kit.serve import Server
+from kit import bundle, schema
+from kit.bench import run as bench
+from kit.bench import serve_args, ttft, turn_cost
+from kit.bench.serve import Server
+from kit.images import orchestrate
+from kit.vllm_tree import trees
+from kit.weights import tiny_model
 
 pytestmark = pytest.mark.cpu
 
@@ -79,7 +84,7 @@ def test_the_default_plan_is_the_qwen3_next_one(path: str, tmp_path: Path) -> No
     )
     assert "--language-model-only" not in base + patched_extra
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", **serve_args.PATH_ENV[path]}
-    assert record["arch"] == "qwen3_next" and record["tiny"] == "kit/tiny_model.py"
+    assert record["arch"] == "qwen3_next" and record["tiny"] == "kit/weights/tiny_model.py"
 
 
 @pytest.mark.parametrize("path", serve_args.CHECKPOINT_PATHS)
@@ -100,7 +105,7 @@ def test_the_variant_is_served_language_model_only(path: str, tmp_path: Path, ca
         "num_speculative_tokens": 1,
     }
     assert record == {
-        "tiny": "kit/tiny_model.py",
+        "tiny": "kit/weights/tiny_model.py",
         "arch": Q35,
         "weights_sha256": tiny_model.weights_sha256(model),
     }
@@ -248,9 +253,12 @@ def test_serve_only_execs_the_variant_with_the_stand_in(tmp_path: Path, monkeypa
 @pytest.mark.parametrize(
     "record,label",
     [
-        ({"tiny": "kit/tiny_model.py", "arch": Q35}, "tiny qwen3_5_moe (CPU default)"),
-        ({"tiny": "kit/tiny_model.py", "arch": "qwen3_next"}, "tiny qwen3_next (CPU default)"),
-        ({"tiny": "kit/tiny_model.py"}, "tiny qwen3_next (CPU default)"),  # an older bundle
+        ({"tiny": "kit/weights/tiny_model.py", "arch": Q35}, "tiny qwen3_5_moe (CPU default)"),
+        (
+            {"tiny": "kit/weights/tiny_model.py", "arch": "qwen3_next"},
+            "tiny qwen3_next (CPU default)",
+        ),
+        ({"tiny": "kit/weights/tiny_model.py"}, "tiny qwen3_next (CPU default)"),  # an older bundle
         ({"locked": "qwen3_6-35b-a3b"}, "models.lock qwen3_6-35b-a3b"),
     ],
 )
@@ -263,7 +271,7 @@ def test_the_model_label(record: dict, label: str) -> None:
 DRIVER = """
 import json, sys
 from pathlib import Path
-import kit.bundle, kit.serve, kit.trees, kit.ttft
+import kit.bundle, kit.bench.serve, kit.vllm_tree.trees, kit.bench.ttft
 state, package = Path(sys.argv[1]), Path(sys.argv[2])
 def fake(host, port, args):
     folder = state / str(port)
@@ -279,15 +287,17 @@ def fake(host, port, args):
     )
     script = "tests/fake_server.py"
     return [sys.executable, "-c", dump, script, "--port", str(port), "--state", str(folder)]
-kit.serve.server_command = fake
-kit.trees.pinned = lambda name, target="cpu": kit.trees.Tree(name, package / name / "vllm")
+kit.bench.serve.server_command = fake
+trees = kit.vllm_tree.trees
+trees.pinned = lambda name, target="cpu": trees.Tree(name, package / name / "vllm")
 # Whether any server had been started when the trees' records were read.
-kit.trees.Tree.mods_record = lambda self: {
+kit.vllm_tree.trees.Tree.mods_record = lambda self: {
     "mods": [], "servers_started": any(state.glob("*/args.json"))
 }
 kit.bundle.record_environment = lambda out: {}
-kit.ttft.IDLE_GAP_S = 0
-from kit import bench, tiny_model
+kit.bench.ttft.IDLE_GAP_S = 0
+from kit.bench import run as bench
+from kit.weights import tiny_model
 tiny_model.needs_vision_stand_in = lambda arch: arch == "qwen3_5_moe"
 sys.exit(bench.main(sys.argv[3:]))
 """

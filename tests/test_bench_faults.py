@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import bench, bundle
+from kit import bundle
+from kit.bench import run as bench
 from kit.process_group import group_members
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DRIVER = """
 import sys
 from pathlib import Path
-import kit.serve, kit.trees
+import kit.bench.serve, kit.vllm_tree.trees
 state, package = Path(sys.argv[1]), Path(sys.argv[2])
 def fake(host, port, args):
     folder = state / str(port)
@@ -32,9 +33,9 @@ def fake(host, port, args):
     hang = [a for a in ("--hang", "--never-healthy") if a in sys.argv]
     script = "tests/fake_server.py"
     return [sys.executable, script, "--port", str(port), "--state", str(folder), *hang]
-kit.serve.server_command = fake
-kit.trees.pinned = lambda name, target="cpu": kit.trees.Tree(name, package)
-from kit import bench
+kit.bench.serve.server_command = fake
+kit.vllm_tree.trees.pinned = lambda name, target="cpu": kit.vllm_tree.trees.Tree(name, package)
+from kit.bench import run as bench
 argv = [a for a in sys.argv[3:] if a not in ("--hang", "--never-healthy")]
 sys.exit(bench.main(argv))
 """
@@ -128,7 +129,7 @@ def test_a_dead_server_leaves_no_orphan_and_is_named(tmp_path: Path) -> None:
 
 def test_stop_kills_a_group_whose_leader_already_died(tmp_path: Path) -> None:
     """The orphan case in one process tree, without the bench."""
-    from kit.serve import Server
+    from kit.bench.serve import Server
 
     state = tmp_path / "s"
     state.mkdir()
@@ -195,7 +196,7 @@ def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path: Path, monk
     the server's start sees "Address already in use" and starts again on another port."""
     import socket
 
-    from kit import serve
+    from kit.bench import serve
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

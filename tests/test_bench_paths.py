@@ -12,9 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kit import bench, mods, orchestrate, schema, serve_args, ttft, ttft_stats, turn_cost
-from kit.geometry_model import REGIMES, Geometry
-from kit.openai_client import Completion
+from kit import schema
+from kit.bench import run as bench
+from kit.bench import serve_args, ttft, ttft_stats, turn_cost
+from kit.bench.openai_client import Completion
+from kit.geometry.geometry_model import REGIMES, Geometry
+from kit.images import orchestrate
+from kit.vllm_tree import mods
 
 pytestmark = pytest.mark.cpu
 
@@ -309,7 +313,7 @@ def test_the_flow_passes_the_path_to_both_servers(path: str) -> None:
         command = orchestrate.server_command(_plan(checkpoints=path), None, stage)
         assert command[command.index("--checkpoints") + 1] == path
         # What the server in the image becomes: the bench's serve plan for that path.
-        assert command[:4] == ["python", "-m", "kit.bench", "--serve-only"]
+        assert command[:4] == ["python", "-m", "kit.bench.run", "--serve-only"]
     # The client gets the same arguments (bench_args), so its geometry matches.
     assert "--checkpoints" in orchestrate.bench_args(_plan(checkpoints=path), None)
 

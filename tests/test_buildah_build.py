@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import buildah_build
+from kit.images import buildah_build
 
 pytestmark = pytest.mark.cpu
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kit.containers import (
+from kit.images.containers import (
     RUN_SPECS,
     BuildahEngine,
     DockerEngine,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import hostcheck
+from kit.images import hostcheck
 
 pytestmark = pytest.mark.cpu
 

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kit import images, lock, pins, sdists, setup_env
+from kit.images import build as images
+from kit.images import lock
+from kit.vllm_tree import pins, sdists, setup_env
 
 pytestmark = pytest.mark.cpu
 
@@ -31,7 +33,7 @@ def test_patched_stage_is_a_layer_over_the_unpatched_image(target: str) -> None:
     patched = dockerfile(target).split("AS patched", 1)[1]
     # Nothing is installed again: the stage only applies mods.
     assert [line for line in patched.splitlines() if line.startswith("RUN")] == [
-        f"RUN python -m kit.image_stage {target} --stage patched"
+        f"RUN python -m kit.images.image_stage {target} --stage patched"
     ]
 
 
@@ -47,7 +49,7 @@ def test_every_arg_is_supplied_from_pins(target: str) -> None:
 def test_patched_stage_applies_mods_with_self_check(target: str) -> None:
     patched = dockerfile(target).split("AS patched", 1)[1]
     # image_stage applies the stage's mods with the engine, then writes the image record.
-    assert f"kit.image_stage {target} --stage patched" in patched
+    assert f"kit.images.image_stage {target} --stage patched" in patched
     assert re.search(r"^USER 10001", patched, re.M)  # not root at run time
     assert "HF_TOKEN" not in dockerfile(target)
 

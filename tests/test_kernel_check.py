@@ -1,7 +1,7 @@
-"""The kit's CPU kernels against vLLM 0.32.0's own Triton kernels (kit.kernel_check).
+"""The kit's CPU kernels against vLLM 0.32.0's own Triton kernels (kit.rig.kernel_check).
 
 vLLM's kernels come from the pinned sdist and run under Triton's interpreter in
-.venv-triton (built here if missing; kit/kernel_env.py). The copies must equal
+.venv-triton (built here if missing; kit/rig/kernel_env.py). The copies must equal
 the kit's CPU port bit for bit, the CPU GDN kernel's final and per-chunk states
 FLA's within ``GDN_TOLERANCE``; and the check must fail when the CPU side is
 broken on purpose.
@@ -21,7 +21,8 @@ from unittest.mock import ANY
 
 import pytest
 
-from kit import kernel_check, kernel_env, trees
+from kit.rig import kernel_check, kernel_env
+from kit.vllm_tree import trees
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
 

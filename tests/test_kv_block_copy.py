@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from kit import trees
-from kit.kv_copy_check import CHECK, LAYERS
+from kit.vllm_tree import trees
+from kit.vllm_tree.kv_copy_check import CHECK, LAYERS
 
 pytestmark = pytest.mark.cpu
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import lock, pins, setup_env
+from kit.images import lock
+from kit.vllm_tree import pins, setup_env
 from tests.hub_server import COMMIT, REPO, FakeHub, HubServer, tiny_repo_files
 
 pytestmark = pytest.mark.cpu
@@ -162,7 +163,7 @@ def run_lock(online: dict, *targets: str) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-m",
-            "kit.lock",
+            "kit.images.lock",
             "pins",
             *targets,
             "--pins",
@@ -258,7 +259,7 @@ with open(args[args.index("-o") + 1], "w") as f:
 
 
 def _lock_deps(tmp_path: Path, monkeypatch, *only: str) -> tuple[int, list[list[str]]]:
-    """`kit.lock deps --only ...` with a fake uv and locks/ in tmp_path (no network)."""
+    """`kit.images.lock deps --only ...` with a fake uv and locks/ in tmp_path (no network)."""
     uv = tmp_path / "uv"
     uv.write_text(FAKE_UV.format(python=sys.executable))
     uv.chmod(0o755)
@@ -271,7 +272,7 @@ def _lock_deps(tmp_path: Path, monkeypatch, *only: str) -> tuple[int, list[list[
     def no_sdist(*args) -> Path:
         raise AssertionError("the host locks need no vLLM sdist")
 
-    monkeypatch.setattr("kit.sdists.pinned", no_sdist)
+    monkeypatch.setattr("kit.vllm_tree.sdists.pinned", no_sdist)
     argv = ["deps", "--torch-index", ""] + [a for name in only for a in ("--only", name)]
     rc = lock.main(argv)
     return rc, [json.loads(line) for line in calls.read_text().splitlines()]

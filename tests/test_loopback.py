@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kit.openai_client import counters, parse_cache_config_info, parse_counters
-from kit.serve import wait_healthy
+from kit.bench.openai_client import counters, parse_cache_config_info, parse_counters
+from kit.bench.serve import wait_healthy
 
 METRICS = (
     "# TYPE vllm:prefix_cache_hits_total counter\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import mods, trees
+from kit.vllm_tree import mods, trees
 
 pytestmark = pytest.mark.cpu
 
@@ -46,7 +46,10 @@ def mod() -> mods.Mod:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kit.mods", *args], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "kit.vllm_tree.mods", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
 
 
@@ -248,9 +251,9 @@ def test_a_target_gets_the_mods_of_one_release() -> None:
 
 
 def apply_killed_at(tree: Path, point: str, *argv: str) -> subprocess.CompletedProcess:
-    """`kit.mods apply` in a real process that SIGKILLs itself at ``point``."""
+    """`kit.vllm_tree.mods apply` in a real process that SIGKILLs itself at ``point``."""
     return subprocess.run(
-        [sys.executable, "-m", "kit.mods", *argv, "--tree", str(tree)],
+        [sys.executable, "-m", "kit.vllm_tree.mods", *argv, "--tree", str(tree)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import models
+from kit.weights import models
 from tests.hub_server import COMMIT, REPO, FakeHub, HubServer, tiny_repo_files
 
 pytestmark = pytest.mark.cpu
@@ -49,7 +49,7 @@ def run(hub: HubServer, lock: Path, store: Path, *args: str) -> subprocess.Compl
         [
             sys.executable,
             "-m",
-            "kit.models",
+            "kit.weights.models",
             "--lock-file",
             str(lock),
             "--store",
@@ -276,7 +276,7 @@ def test_verifying_no_model_is_an_error_not_a_success(hub, locked) -> None:
     out = run(hub, lock, store, "verify", "--target", "strix")
     assert out.returncode == 2 and "no enabled model" in out.stderr
     out = subprocess.run(
-        [sys.executable, "-m", "kit.models", "verify", "--target", "cpu"],
+        [sys.executable, "-m", "kit.weights.models", "verify", "--target", "cpu"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -288,7 +288,16 @@ def test_lock_without_the_hub_says_what_to_do(tmp_path: Path) -> None:
     lock = tmp_path / "models.lock"
     lock.write_text(LOCK_TEXT)
     out = subprocess.run(
-        [sys.executable, "-m", "kit.models", "--lock-file", str(lock), "lock", "--model", KEY],
+        [
+            sys.executable,
+            "-m",
+            "kit.weights.models",
+            "--lock-file",
+            str(lock),
+            "lock",
+            "--model",
+            KEY,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kit import ttft_stats
-from kit.oracle import first_position_diff, judge
+from kit.bench import ttft_stats
+from kit.bench.oracle import first_position_diff, judge
 
 pytestmark = pytest.mark.cpu
 

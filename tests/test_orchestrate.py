@@ -1,4 +1,4 @@
-"""The container flow's steps (kit/orchestrate.py) on this machine, for real where it can.
+"""The container flow's steps (kit/images/orchestrate.py) on this machine, for real where it can.
 
 Runs here: host-check stops (recorded hosts), model selection and offline
 verification against the shipped models.lock, the NODES guard, junit
@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from kit import buildah_storage, hostcheck, images, models, orchestrate, upstream_suite
-from kit.containers import RUN_SPECS, BuildahEngine
+from kit.images import build as images
+from kit.images import buildah_storage, hostcheck, orchestrate
+from kit.images.containers import RUN_SPECS, BuildahEngine
+from kit.vllm_tree import upstream_suite
+from kit.weights import models
 from tests.netprobe import host_listener
 
 pytestmark = pytest.mark.cpu
@@ -63,7 +66,7 @@ def test_cpu_target_needs_no_locked_model(tmp_path: Path) -> None:
 
 
 def test_the_tiny_model_the_containers_mount_is_readable_by_their_user(tmp_path: Path) -> None:
-    from kit.tiny_model import write_tiny_model
+    from kit.weights.tiny_model import write_tiny_model
 
     # The servers and the client run as uid 10001 over a read-only mount of this folder.
     model = write_tiny_model(tmp_path / "tiny", weights=True)
@@ -198,7 +201,8 @@ def test_dry_run_refuses_the_shipped_unresolved_pins_naming_make_lock(capsys) ->
 @pytest.fixture()
 def resolved(tmp_path: Path, monkeypatch) -> dict:
     """pins.toml and a models lock after `make lock` ran against the loopback fakes."""
-    from kit import models, pins
+    from kit.vllm_tree import pins
+    from kit.weights import models
     from tests.hub_server import FakeHub, HubServer, tiny_repo_files
     from tests.test_lock import FakeRegistry, _git_repo, run_lock
 
@@ -269,7 +273,7 @@ def test_dry_run_with_resolved_pins_prints_the_exact_commands(
     for line in servers:
         assert "--ipc=host" in line and "--shm-size" not in line
         assert "VLLM_CACHE_ROOT=/kit-cache/vllm" in line and "--model tiny" in line
-    assert "kit.models verify --model tiny" in out
+    assert "kit.weights.models verify --model tiny" in out
     assert out.count("wait until its log says") == 2
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import mods, pins
+from kit.vllm_tree import mods, pins
 
 pytestmark = pytest.mark.cpu
 

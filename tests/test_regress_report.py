@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_model import Case, Geometry
-from kit.loss_sweep import random_cases, sweep
-from kit.regress import eagle_specific_loss, verdict
+from kit.geometry.geometry_model import Case, Geometry
+from kit.rig.loss_sweep import random_cases, sweep
+from kit.rig.regress import eagle_specific_loss, verdict
 
 pytestmark = pytest.mark.cpu
 
@@ -66,7 +66,7 @@ def test_the_regression_grid_picture_shows_losses(tmp_path) -> None:
     one at the ideal is green; drawn from a table like the committed ones."""
     from PIL import Image
 
-    from kit.regression_figure import CELL_H, CELL_W, GREEN, LABEL_W, RED, draw, strips_of
+    from kit.rig.regression_figure import CELL_H, CELL_W, GREEN, LABEL_W, RED, draw, strips_of
 
     table = {
         "rows": [

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kit import release_report, releases
-from kit.geometry_cases import all_cases
-from kit.geometry_model import REGIMES, Case, Geometry, expected, lookahead_ideal
+from kit.geometry.geometry_cases import all_cases
+from kit.geometry.geometry_model import REGIMES, Case, Geometry, expected, lookahead_ideal
+from kit.rig import release_report
+from kit.vllm_tree import releases
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,8 +154,8 @@ def test_fix_leaves_speculation_no_loss_of_its_own(release_table: dict) -> None:
 
 @pytest.mark.parametrize("tree", ["unpatched", "patched"])
 def test_the_stress_finds_no_wrong_state_on_the_newest_release(tree: str) -> None:
-    """The multi-request stress (kit/stress.py) on every checkpoint path of the
+    """The multi-request stress (kit/rig/stress.py) on every checkpoint path of the
     newest release's trees, which carry fix-mamba-mid-block-resume-stop."""
-    from kit import stress
+    from kit.rig import stress
 
     assert stress.main(["--vllm", releases.newest(), "--tree", tree, "--seeds", "2"]) == 0

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kit import bundle as bundle_module
-from kit import report
+from kit.bench import report
 
 pytestmark = pytest.mark.cpu
 

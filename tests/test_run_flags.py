@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit.containers import RUN_SPECS, RunSpec
+from kit.images.containers import RUN_SPECS, RunSpec
 
 pytestmark = pytest.mark.cpu
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import sdists
+from kit.vllm_tree import sdists
 
 pytestmark = pytest.mark.cpu
 NAME = "vllm-9.9.9.tar.gz"
@@ -114,7 +114,7 @@ def test_every_pinned_release_has_its_sha256() -> None:
     """Release keys hold dots ("0.34.0"): each is found as a table key."""
     import re
 
-    from kit import releases
+    from kit.vllm_tree import releases
 
     for version in [sdists.pins.get("vllm.version"), *releases.known()]:
         assert re.fullmatch(r"[0-9a-f]{64}", sdists.sha256_pin(version)), version

@@ -23,12 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from kit import serve_args, trees, ttft
-from kit.geometry_model import Geometry, expected
+from kit.bench import serve_args, ttft
+from kit.bench.openai_client import cache_config_info
+from kit.bench.serve import Server
+from kit.geometry.geometry_model import Geometry, expected
 from kit.loopback import urlopen
-from kit.openai_client import cache_config_info
-from kit.serve import Server
-from kit.tiny_model import (
+from kit.vllm_tree import trees
+from kit.weights.tiny_model import (
     TINY_CONFIG,
     WEIGHTS,
     needs_vision_stand_in,

@@ -1,4 +1,4 @@
-"""kit.trees: one Tree value per vLLM tree, and folders that are rebuilt whole or not at all."""
+"""kit.vllm_tree.trees: one Tree value per vLLM tree, and folders rebuilt whole or not at all."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import mods, trees
+from kit.vllm_tree import mods, trees
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def test_an_unknown_selection_names_the_choices(monkeypatch) -> None:
 SLOW_BUILDER = """
 import sys, time
 from pathlib import Path
-from kit import trees
+from kit.vllm_tree import trees
 home, marks = Path(sys.argv[1]), Path(sys.argv[2])
 
 def fill(build):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import bundle, pins, trees, upstream_suite
+from kit import bundle
+from kit.vllm_tree import pins, trees, upstream_suite
 
 pytestmark = pytest.mark.cpu
 

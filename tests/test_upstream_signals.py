@@ -1,6 +1,6 @@
 """SIGTERM to the upstream-suite runner: every pytest run (and what it started) ends,
 and the committed logs and junit files stay as they were. The runner's own code
-path (kit.upstream_suite.main) runs in a subprocess; only the suite is a stand-in
+path (kit.vllm_tree.upstream_suite.main) runs in a subprocess; only the suite is a stand-in
 that never finishes."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_never_finishes():
 DRIVER = """
 import sys
 from pathlib import Path
-from kit import trees, upstream_suite
+from kit.vllm_tree import trees, upstream_suite
 tests_dir, package, out = map(Path, sys.argv[1:4])
 upstream_suite.extract_tests = lambda sdist, version=None: tests_dir
 upstream_suite.sdists.pinned = lambda explicit=None: tests_dir
@@ -86,7 +86,8 @@ def test_a_signal_ends_both_runs_and_keeps_the_committed_logs(
 def test_the_comparison_carries_its_schema() -> None:
     """Both writers of upstream-suite.json (this runner and the container flow) write
     the comparison as compare() returns it."""
-    from kit import schema, upstream_suite
+    from kit import schema
+    from kit.vllm_tree import upstream_suite
 
     report, _, ok = upstream_suite.compare(
         {"unpatched": {"t::a": "passed"}, "patched": {"t::a": "passed"}}

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_cases import BLOCKS, NUM_SPEC
-from kit.geometry_model import UNIT, Geometry
-from kit.mods import load_mod
-from kit.sched_harness import SchedulerRig, cache_geometry
+from kit.geometry.geometry_cases import BLOCKS, NUM_SPEC
+from kit.geometry.geometry_model import UNIT, Geometry
+from kit.rig.sched_harness import SchedulerRig, cache_geometry
+from kit.vllm_tree.mods import load_mod
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_cases import all_cases
-from kit.geometry_model import Case, Geometry, expected, producer_prefill
-from kit.sched_harness import run_case
+from kit.geometry.geometry_cases import all_cases
+from kit.geometry.geometry_model import Case, Geometry, expected, producer_prefill
+from kit.rig.sched_harness import run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

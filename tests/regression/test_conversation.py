@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_model import UNIT, Geometry, prompt_checkpoint
-from kit.sched_harness import FULL_GROUP, MAMBA_GROUP, SchedulerRig
+from kit.geometry.geometry_model import UNIT, Geometry, prompt_checkpoint
+from kit.rig.sched_harness import FULL_GROUP, MAMBA_GROUP, SchedulerRig
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

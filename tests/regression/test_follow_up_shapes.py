@@ -14,16 +14,16 @@ from dataclasses import replace
 
 import pytest
 
-from kit.geometry_cases import (
+from kit.geometry.geometry_cases import (
     CONTEXT_BASE,
     UNIT,
     all_cases,
     follow_up_turn,
     producer_tail,
 )
-from kit.geometry_model import Case, expected
-from kit.regress import eagle_specific_loss
-from kit.sched_harness import run_case, run_pair
+from kit.geometry.geometry_model import Case, expected
+from kit.rig.regress import eagle_specific_loss
+from kit.rig.sched_harness import run_case, run_pair
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_cases import all_cases
-from kit.geometry_model import Case, Geometry, expected
-from kit.regress import eagle_specific_loss
-from kit.sched_harness import run_case
+from kit.geometry.geometry_cases import all_cases
+from kit.geometry.geometry_model import Case, Geometry, expected
+from kit.rig.regress import eagle_specific_loss
+from kit.rig.sched_harness import run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry_model import Case, Geometry
-from kit.sched_harness import SchedulerRig, run_case
+from kit.geometry.geometry_model import Case, Geometry
+from kit.rig.sched_harness import SchedulerRig, run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

@@ -1,6 +1,6 @@
 """A tiny Nemotron-H (Mamba2 + attention + MTP) with the real Mamba2 layer's spec.
 
-``kit.nemotron_h`` builds a real ``MambaMixer2`` from the config and runs the
+``kit.rig.nemotron_h`` builds a real ``MambaMixer2`` from the config and runs the
 grid (blocks 64 and 384, k = 0 and 1) on the real scheduler with its spec and
 Nemotron-H's own MTP drafter config, in a process of its own (the layer needs
 vLLM's distributed state).
@@ -42,7 +42,7 @@ def test_mamba2_layer_declares_internal_checkpoints_and_the_model_holds(tmp_path
     # The child selects the same tree this run does (KIT_TREE: a pinned tree here,
     # the installed one inside the images).
     run = subprocess.run(
-        [sys.executable, "-m", "kit.nemotron_h", "--out", str(out)],
+        [sys.executable, "-m", "kit.rig.nemotron_h", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

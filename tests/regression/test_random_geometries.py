@@ -18,10 +18,10 @@ import random
 
 import pytest
 
-from kit.geometry_model import Case, Geometry, expected
-from kit.loss_sweep import earlier_block_state
-from kit.regress import eagle_specific_loss
-from kit.sched_harness import run_case
+from kit.geometry.geometry_model import Case, Geometry, expected
+from kit.rig.loss_sweep import earlier_block_state
+from kit.rig.regress import eagle_specific_loss
+from kit.rig.sched_harness import run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

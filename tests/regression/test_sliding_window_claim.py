@@ -24,8 +24,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kit.geometry_model import Geometry
-from kit.sched_harness import build_vllm_config
+from kit.geometry.geometry_model import Geometry
+from kit.rig.sched_harness import build_vllm_config
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

@@ -1,6 +1,6 @@
 """Many requests over one context at once: no chunk starts from a wrong Mamba state.
 
-``kit.stress`` adds waves of requests (random shared lengths, probes and long
+``kit.rig.stress`` adds waves of requests (random shared lengths, probes and long
 tails, a step budget that cuts prefills, arrivals while others prefill) to the
 real scheduler and checks every resume and every prefill chunk against the
 ledger, on every checkpoint path. The tree under test carries
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kit.geometry_model import REGIMES, Geometry
-from kit.stress import run_seed, stress
+from kit.geometry.geometry_model import REGIMES, Geometry
+from kit.rig.stress import run_seed, stress
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 

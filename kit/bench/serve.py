@@ -1,0 +1,209 @@
+"""Start and stop a `vllm serve` process on loopback: free port, health wait, logs, cleanup.
+
+The server always stops: on normal exit, on failure, on Ctrl-C and on SIGTERM
+(``kit.bench.run`` turns SIGTERM into an exception), by signalling its whole process
+group (vLLM forks engine-core and worker processes) and waiting until no member
+of the group is left, also when the API server itself already died.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kit.loopback import urlopen
+from kit.process_group import ProcessGroupError, stop_group
+from kit.vllm_tree.trees import Tree
+
+PORT_IN_USE = "Address already in use"
+PORT_ATTEMPTS = 3
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """A port nobody listens on now. Another process can still take it before vLLM
+    binds it; ``Server.start`` retries on another port when that happens."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(host: str, port: int, args: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *args,
+    ]
+
+
+def server_env(extra: dict[str, str], tree: Tree | None = None) -> dict[str, str]:
+    """A server's environment; with ``tree`` its vllm is that tree's, else the installed one."""
+    env = tree.env(**extra) if tree else dict(os.environ, **extra)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache (the cold reference)
+    return env
+
+
+def wait_healthy(
+    url: str, timeout: float, alive: Callable[[], bool] = lambda: True, name: str = "server"
+) -> None:
+    """Poll ``/health`` until it answers 200; ``alive`` says whether waiting still makes sense."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise ServerError(f"{name}: exited during startup")
+        try:
+            with urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    raise ServerError(f"{name}: not healthy after {timeout:.0f} s at {url}")
+
+
+@dataclass
+class Server:
+    """One vLLM OpenAI-compatible server; use as a context manager."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    tree: Tree | None = None  # None: the vllm installed here (the images)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout: float = 600.0
+    port: int = 0
+    process: subprocess.Popen | None = None
+    # A server someone else runs (e.g. in a container): only its URL is used.
+    url_override: str | None = None
+    # The command line (default: ``server_command``); tests put a stand-in process
+    # tree here.
+    command: Callable[[str, int, list[str]], list[str]] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stopping: bool = field(default=False, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.url_override or f"http://127.0.0.1:{self.port}"
+
+    def describe(self) -> str:
+        where = f"{self.tree}" if self.tree else "the installed vllm"
+        return f"{self.name} server ({where}, {self.url})"
+
+    def start(self) -> Server:
+        fixed = bool(self.port)
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.port = self.port if fixed else free_port()
+            self._spawn()
+            try:
+                self._wait_healthy()
+                return self
+            except ServerError:
+                # Another process took the free port between our check and
+                # vLLM's bind: try another one (a fixed port is the caller's).
+                if fixed or attempt == PORT_ATTEMPTS or PORT_IN_USE not in self.log_tail(40):
+                    raise
+                print(f"{self.name}: port {self.port} was taken; retrying", file=sys.stderr)
+        raise AssertionError("unreachable")
+
+    def _spawn(self) -> None:
+        env = server_env(self.env, self.tree)
+        cmd = (self.command or server_command)("127.0.0.1", self.port, self.args)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            # stop() from another thread (a signal) must not race a start.
+            if self._stopping:
+                raise ServerError(f"{self.name}: stopped before it started")
+            with self.log_path.open("w") as log:
+                log.write("$ " + " ".join(cmd) + "\n")
+                log.flush()
+                self.process = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+
+    def _wait_healthy(self) -> None:
+        try:
+            wait_healthy(
+                self.url,
+                self.startup_timeout,
+                lambda: self.alive() and not self._stopping,
+                self.name,
+            )
+        except ServerError as exc:
+            died = self.process is not None and self.process.poll() is not None
+            self._kill()
+            if died:
+                raise ServerError(
+                    f"{self.describe()}: exited with {self.process.returncode} "
+                    f"during startup; last log lines:\n{self.log_tail()}"
+                ) from exc
+            raise ServerError(f"{exc}; log: {self.log_path}") from exc
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def health(self) -> str:
+        """What happened to this server, for an error that names it."""
+        if self.url_override:
+            return f"{self.describe()}"
+        if self.process is None:
+            return f"{self.describe()}: never started"
+        try:
+            # A server that just dropped a connection may still be exiting.
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            code = None
+        state = "still running" if code is None else f"exited with {code}"
+        return f"{self.describe()}: {state}; last log lines ({self.log_path}):\n{self.log_tail()}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop the whole process tree, also when the API server itself already exited
+        (its engine core and workers stay in its group)."""
+        with self._lock:
+            self._stopping = True
+        self._kill(grace)
+
+    def _kill(self, grace: float = 20.0) -> None:
+        process = self.process
+        if process is None:
+            return
+        try:
+            stop_group(process.pid, grace)
+        except ProcessGroupError as exc:
+            raise ServerError(f"{self.describe()}: {exc}") from exc
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:  # a leader that outlived SIGKILL
+            raise ServerError(f"{self.describe()}: pid {process.pid} survived SIGKILL") from None
+
+    def __enter__(self) -> Server:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,136 @@
+"""What the bench's servers are started with: the CPU default's tiny model or a
+models.lock entry, the geometry pins the expected hits depend on, the checkpoint
+path (its environment and step budget), the fix's switches."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from kit.vllm_tree import mods
+from kit.weights import models
+
+# The CPU default's scheduler budget on the split path, pinned so the geometry
+# model can use it.
+CPU_BATCHED_TOKENS = 2048
+# GPU models: their blocks reach thousands of tokens; the budget must hold one.
+LOCKED_BATCHED_TOKENS = 8192
+# vLLM's CPU platform stores GDN SSM states in float32 on CPUs with AVX-512 BF16
+# and in the model dtype elsewhere; the page size, and with it the block vLLM
+# picks (2048 or 1024 tokens), followed the machine. Pinned to float32 (what
+# those CPUs pick anyway, and the more precise state), so every machine gets
+# 2048-token blocks.
+CPU_SSM_CACHE_DTYPE = "float32"
+CPU_BLOCK = 2048
+
+
+SERVED_NAME = "kit-model"
+
+# How the CPU default's GDN layers materialise a state at the prompt checkpoint
+# (``kit bench --checkpoints``, ``kit turn-cost --checkpoints``):
+# "internal": the layer exports it from inside the forward pass
+# (mods/cpu-gdn-prefill-checkpoint, switched on in both servers' environment),
+# under a budget above every bench prompt, so a prompt of up to 8192 tokens is
+# one chunk and its final chunk can span the checkpoint's block column (the
+# geometry model's "internal-1" regime: alignment 1);
+# "split": the scheduler ends a prefill chunk there (the variable absent, the
+# 2048-token budget: with 2048-token blocks no final chunk spans two block
+# columns, so the export is never reached).
+CHECKPOINT_PATHS = ("internal", "split")
+DEFAULT_CHECKPOINTS = "internal"
+CHECKPOINT_ENV = "VLLM_CPU_GDN_PREFILL_CHECKPOINT"  # the mod's opt_in_env
+INTERNAL_BATCHED_TOKENS = 8192
+PATH_BUDGET = {"internal": INTERNAL_BATCHED_TOKENS, "split": CPU_BATCHED_TOKENS}
+PATH_ENV = {"internal": {CHECKPOINT_ENV: "1"}, "split": {}}
+# Geometry.checkpoints (kit/geometry/geometry_model.py REGIMES) of each path.
+PATH_REGIME = {"internal": "internal-1", "split": "split"}
+
+
+def path_of_regime(regime: str) -> str:
+    """The bench's name for a geometry's checkpoint regime: "split" or "internal"."""
+    return "split" if regime == "split" else "internal"
+
+
+def common_serve_args(unit: int, budget: int) -> list[str]:
+    """What every bench server needs, whatever the model and target.
+
+    The step budget is pinned because the expected hits depend on it (a chunk
+    the budget cannot finish ends on a block boundary).
+    """
+    return [
+        "--max-num-batched-tokens",
+        str(budget),
+        "--served-model-name",
+        SERVED_NAME,
+        "--skip-tokenizer-init",
+        "--enable-prefix-caching",
+        "--mamba-cache-mode",
+        "align",
+        "--prefix-match-unit",
+        str(unit),
+        "--enable-prompt-tokens-details",
+    ]
+
+
+def cpu_serve_args(
+    model_dir: Path, block: int, unit: int, num_spec: int, budget: int = CPU_BATCHED_TOKENS
+) -> list[str]:
+    """The CPU default: the tiny random-weight model, a large block so prefill dominates;
+    ``budget``: the step budget of the checkpoint path (``PATH_BUDGET``)."""
+    args = [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "8192",
+        "--block-size",
+        str(block),
+        "--gpu-memory-utilization",
+        "0.3",
+        "--mamba-ssm-cache-dtype",
+        CPU_SSM_CACHE_DTYPE,
+        *common_serve_args(unit, budget),
+    ]
+    if num_spec:
+        args += [
+            "--speculative-config",
+            json.dumps({"method": "mtp", "num_speculative_tokens": num_spec}),
+        ]
+    return args
+
+
+def batched_tokens(serve: list[str]) -> int:
+    """The step budget a server plan sets (``--max-num-batched-tokens``)."""
+    return int(serve[serve.index("--max-num-batched-tokens") + 1])
+
+
+def locked_serve_args(key: str, store: Path, unit: int) -> tuple[list[str], int]:
+    """A models.lock entry, verified offline first; returns its args and MTP draft count.
+
+    vLLM picks the hybrid block size itself; the bench reads it back from
+    ``vllm:cache_config_info`` once the server is up.
+    """
+    _, entries = models.load()
+    (entry,) = models.select(entries, key, None)
+    models.verify([entry], store)  # refuses unresolved, missing or partial files
+    serve = list(entry.fields.get("serve_args", []))
+    num_spec = 0
+    if "--speculative-config" in serve:
+        spec = json.loads(serve[serve.index("--speculative-config") + 1])
+        num_spec = int(spec.get("num_speculative_tokens", 0))
+    return [
+        "--model",
+        str(models.snapshot(store, entry)),
+        *serve,
+        *common_serve_args(unit, LOCKED_BATCHED_TOKENS),
+    ], num_spec
+
+
+def fix_flags(target: str) -> list[str]:
+    """The patched server's switches: those of the mods made for the vLLM this
+    process finds (an image may carry a later release than the pinned one)."""
+    spec = importlib.util.find_spec("vllm")  # located, not imported: no GPU init
+    release = mods.tree_version(Path(spec.origin).parent)[0] if spec and spec.origin else None
+    return [m.manifest["enable_flag"] for m in mods.switched_mods(target, release)]

@@ -1,0 +1,194 @@
+"""The TTFT measurement: the A/B pair and the conversation on one server, and the
+interleaved run over both trees. Every request's cached-token count is checked
+against the geometry model; every cached answer is judged against the cold one."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kit.bench import oracle
+from kit.bench.openai_client import (
+    MetricsError,
+    RequestError,
+    cache_config_info,
+    complete,
+    counters,
+    reset_prefix_cache,
+)
+from kit.bench.serve import Server
+from kit.bench.serve_args import SERVED_NAME, path_of_regime
+from kit.geometry.geometry_model import Case, Geometry, expected, prompt_checkpoint
+
+PROBE_TOKEN = 13
+TURN_LEN = 48
+REPLY_TOKENS = 8
+TREES = ("unpatched", "patched")
+WAKE_PROMPT = [5, 6, 7]  # shorter than one hash unit: leaves no cache entry
+IDLE_GAP_S = 1.5
+
+
+def context(rep: int, shared: int, salt: str) -> list[int]:
+    rng = random.Random(f"{salt}-{rep}-{shared}")
+    return [rng.randrange(16, 4000) for _ in range(shared)]
+
+
+def measure(
+    server: Server,
+    tree: str,
+    prompt: list[int],
+    kind: str,
+    expect: int,
+    rep: int,
+    shared: int,
+    max_tokens: int = 4,
+) -> dict:
+    before = counters(server.url)
+    done = complete(server.url, SERVED_NAME, prompt, max_tokens)
+    after = counters(server.url)
+    return {
+        "tree": tree,
+        "rep": rep,
+        "S": shared,
+        "kind": kind,
+        "ttft_s": done.ttft_s,
+        "prompt_tokens": done.prompt_tokens,
+        "cached_tokens": done.cached_tokens,
+        "expected_cached": expect,
+        "hit_ok": done.cached_tokens == expect,
+        "metrics_hits": after["vllm:prefix_cache_hits_total"]
+        - before["vllm:prefix_cache_hits_total"],
+        "metrics_queries": after["vllm:prefix_cache_queries_total"]
+        - before["vllm:prefix_cache_queries_total"],
+        "token_ids": done.token_ids,
+        "logprobs": done.logprobs,
+        "top_logprobs": done.top_logprobs,
+    }
+
+
+def bench_case(geo: Geometry, shared: int) -> Case:
+    """The bench's A/B pair as a geometry-model case: the "." probe is a one-token tail."""
+    return Case(geo, shared, 1)
+
+
+def run_pair(
+    server: Server,
+    tree: str,
+    rep: int,
+    shared: int,
+    geo: Geometry,
+    tolerance: float = oracle.DEFAULT_TOLERANCE,
+) -> list[dict]:
+    ctx = context(rep, shared, "pair")
+    a = ctx + [PROBE_TOKEN]
+    b = ctx + [4000 + i for i in range(TURN_LEN)]
+    case = bench_case(geo, shared)
+    want_b = expected(case, patched=tree == "patched").hit
+    resend = prompt_checkpoint(len(b), geo.unit, geo.eagle)
+    # Unmeasured: the first request after the server sat idle (while the other
+    # tree ran) waited about 1 s before its prefill in a third of the
+    # repetitions, on either tree; cold A should time the prefill, not that.
+    complete(server.url, SERVED_NAME, WAKE_PROMPT, 1)
+    rows = [
+        measure(server, tree, a, "cold_A", 0, rep, shared),
+        measure(server, tree, b, "cached_B", want_b, rep, shared),
+        measure(server, tree, b, "repeat_B", resend, rep, shared),
+    ]
+    reset_prefix_cache(server.url)
+    rows.append(measure(server, tree, b, "cold_B", 0, rep, shared))
+    tag_path(rows, geo)
+    rows[1]["ideal_cached"] = case.ideal
+    cold, cached = rows[3], rows[1]
+    verdict = oracle.judge(
+        cached["token_ids"],
+        cold["token_ids"],
+        cached["top_logprobs"],
+        cold["top_logprobs"],
+        tolerance,
+    )
+    cached["oracle"] = verdict.as_dict()
+    return rows
+
+
+def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: Geometry) -> list[dict]:
+    prompt = context(rep, shared, "conv") + [4000 + i for i in range(TURN_LEN)]
+    rows, expect = [], 0
+    for turn in range(4):
+        row = measure(
+            server, tree, prompt, f"turn{turn + 1}", expect, rep, shared, max_tokens=REPLY_TOKENS
+        )
+        rows.append(row)
+        expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle)
+        prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
+    return tag_path(rows, geo)
+
+
+def tag_path(rows: list[dict], geo: Geometry) -> list[dict]:
+    """Every row says which checkpoint path its server ran ("internal" or "split")."""
+    for row in rows:
+        row["path"] = path_of_regime(geo.checkpoints)
+    return rows
+
+
+def served_geometry(
+    servers: dict[str, Server], num_spec: int, budget: int, checkpoints: str = "split"
+) -> Geometry:
+    """The geometry the expectations use: the one both servers report, with the step
+    budget and checkpoint regime (``Geometry.checkpoints``) they were started with."""
+    reported = {}
+    for tree, server in servers.items():
+        with naming(server):
+            reported[tree] = cache_config_info(server.url)
+    if reported["unpatched"] != reported["patched"]:
+        raise MeasureError(f"the two servers' cache geometry differs: {reported}")
+    return Geometry(
+        reported["patched"]["block"],
+        reported["patched"]["unit"],
+        num_spec,
+        budget,
+        checkpoints=checkpoints,
+    )
+
+
+class MeasureError(RuntimeError):
+    pass
+
+
+@contextmanager
+def naming(server: Server) -> Iterator[None]:
+    """A failed request becomes a MeasureError that names the server's tree and what
+    became of its process (a dead server's exit status and last log lines)."""
+    try:
+        yield
+    except (RequestError, MetricsError, OSError) as exc:
+        raise MeasureError(f"{server.health()}\nthe request failed: {exc}") from exc
+
+
+def interleaved(
+    servers: dict[str, Server],
+    geo: Geometry,
+    reps: int,
+    shared: list[int],
+    tolerance: float,
+    progress=lambda work: work,
+) -> list[dict]:
+    """Every repetition and S on both servers, A B / B A alternating; repetition -1
+    is the warm-up and is not returned."""
+    rows: list[dict] = []
+    work = [(rep, s) for rep in range(-1, reps) for s in shared]
+    for rep, s in progress(work):
+        order = TREES if rep % 2 == 0 else TREES[::-1]
+        for tree in order:
+            # vLLM's worker busy-polls for 1 s after its last request: on a
+            # small machine the server that just finished would steal CPU
+            # from the other one's first requests (patched cold A, with its
+            # extra steps, measured 3x slower that way; alone, 1.1x).
+            time.sleep(IDLE_GAP_S)
+            with naming(servers[tree]):
+                pair = run_pair(servers[tree], tree, rep, s, geo, tolerance)
+                conv = run_conversation(servers[tree], tree, rep, s, geo)
+            if rep >= 0:
+                rows += pair + conv
+    return rows

@@ -1,0 +1,256 @@
+"""Statistics and rendering of a TTFT run: medians with IQR per tree, patched/unpatched
+ratios per repetition (median, min-max and a seeded bootstrap interval of the median,
+per request kind and S and pooled), the oracle's tally, and every reason a run is not
+evidence. Shared by the bench command and ``make report``."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+from kit.bench.ttft import TREES
+
+# The bootstrap of the median ratio: fixed, so the same rows give the same interval.
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 20_260_320
+CI_LEVEL = 0.95
+# Request kinds pooled over every S (and, for the later turns, over the turns).
+POOLED = (
+    ("turn2-turn4", ("turn2", "turn3", "turn4")),
+    ("cold_A", ("cold_A",)),
+    ("cold_B", ("cold_B",)),
+    # Both cold requests together (the fix's cost where no hit changes), then
+    # every other kind on its own, so each kind's median over S shows.
+    ("cold_A+cold_B", ("cold_A", "cold_B")),
+    *((kind, (kind,)) for kind in ("cached_B", "repeat_B", "turn1", "turn2", "turn3", "turn4")),
+)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    keys = sorted({(r["S"], r["kind"]) for r in rows})
+    for shared, kind in keys:
+        line = {"S": shared, "kind": kind}
+        for tree in TREES:
+            sel = [r for r in rows if r["tree"] == tree and (r["S"], r["kind"]) == (shared, kind)]
+            ttft = sorted(r["ttft_s"] for r in sel)
+            # inclusive: quartiles stay inside the measured range for small n.
+            q = (
+                statistics.quantiles(ttft, n=4, method="inclusive")
+                if len(ttft) > 1
+                else [ttft[0]] * 3
+            )
+            line[tree] = {
+                "n": len(sel),
+                "median_ms": 1000 * statistics.median(ttft),
+                "iqr_ms": [1000 * q[0], 1000 * q[2]],
+                "min_ms": 1000 * ttft[0],
+                "max_ms": 1000 * ttft[-1],
+                "median_cached": statistics.median(r["cached_tokens"] for r in sel),
+                "expected_cached": sel[0]["expected_cached"],
+                "flagged_no_hit": sum(not r["hit_ok"] for r in sel),
+                # cached_B only: the oracle's verdicts against the cold reference.
+                "verdicts": {
+                    v: sum(r["oracle"]["verdict"] == v for r in sel)
+                    for v in ("same", "tie", "wrong")
+                }
+                if kind == "cached_B"
+                else None,
+            }
+        line["ratio_patched_unpatched"] = paired_ratio(
+            [r for r in rows if (r["S"], r["kind"]) == (shared, kind)], "ttft_s"
+        )
+        out.append(line)
+    return out
+
+
+def paired_ratios(rows: list[dict], key: str) -> list[float]:
+    """patched/unpatched of ``key`` for every pair of rows from the same repetition, S,
+    request kind and turn (the two sides run back to back), sorted: the order the
+    rows came in does not matter."""
+    pairs: dict = {}
+    for r in rows:
+        pair = (r["rep"], r.get("S"), r.get("kind"), r.get("turn"))
+        pairs.setdefault(pair, {})[r["tree"]] = r[key]
+    return sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
+
+
+def paired_ratio(rows: list[dict], key: str) -> dict:
+    """The paired ratios of ``key`` (``paired_ratios``): how many, median, min, max, and
+    the 95 % bootstrap interval of the median (``bootstrap_median_ci``)."""
+    ratios = paired_ratios(rows, key)
+    return {
+        "n": len(ratios),
+        "median": statistics.median(ratios),
+        "ci95": list(bootstrap_median_ci(ratios)),
+        "min": ratios[0],
+        "max": ratios[-1],
+    }
+
+
+def bootstrap_median_ci(
+    values: list[float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = CI_LEVEL,
+) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of ``values``: ``resamples``
+    draws of len(values) with replacement from a generator seeded with ``seed``,
+    each draw's median, and the (1 - level)/2 and (1 + level)/2 quantiles of those
+    medians (linear between order statistics). The values are sorted first, so the
+    same values in any order give the same interval."""
+    if not values:
+        raise ValueError("no values to bootstrap")
+    data = sorted(values)
+    rng = random.Random(seed)
+    n = len(data)
+    medians = sorted(statistics.median(rng.choices(data, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return _quantile(medians, tail), _quantile(medians, 1 - tail)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The q-quantile of sorted values, linear between order statistics."""
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (pos - low) * (ordered[high] - ordered[low])
+
+
+def pooled_ratios(rows: list[dict]) -> list[dict]:
+    """The paired ratios of the request kinds in ``POOLED``, over every S (and turn)."""
+    out = []
+    for group, kinds in POOLED:
+        sel = [r for r in rows if r["kind"] in kinds]
+        if not sel or not paired_ratios(sel, "ttft_s"):
+            continue
+        out.append(
+            {
+                "group": group,
+                "kinds": list(kinds),
+                "S": sorted({r["S"] for r in sel}),
+                **paired_ratio(sel, "ttft_s"),
+            }
+        )
+    return out
+
+
+def ratio_method() -> dict:
+    """What bench.json says about its ratios."""
+    return {
+        "ratio": "patched TTFT / unpatched TTFT of the same repetition, S and request kind",
+        "interval": f"{CI_LEVEL:.0%} percentile bootstrap of the median of those ratios",
+        "resamples": BOOTSTRAP_RESAMPLES,
+        "seed": BOOTSTRAP_SEED,
+        "pooled": {group: list(kinds) for group, kinds in POOLED},
+    }
+
+
+def ratio_text(r: dict) -> str:
+    """median [95 % interval] (min-max)."""
+    ci = r.get("ci95")
+    interval = f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
+    return f"{r['median']:.2f}{interval} ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def pooled_table(pooled: list[dict]) -> tuple[list[str], list[list]]:
+    headers = ["requests", "S", "pairs", "ratio p/u median", "95% CI", "min-max"]
+    body = [
+        [
+            p["group"],
+            " ".join(map(str, p["S"])),
+            p["n"],
+            f"{p['median']:.2f}",
+            f"{p['ci95'][0]:.2f}-{p['ci95'][1]:.2f}",
+            f"{p['min']:.2f}-{p['max']:.2f}",
+        ]
+        for p in pooled
+    ]
+    return headers, body
+
+
+def table(summary: list[dict]) -> tuple[list[str], list[list]]:
+    headers = [
+        "S",
+        "request",
+        "unpatched ms (IQR)",
+        "cached",
+        "patched ms (IQR)",
+        "cached",
+        "expected u/p",
+        "ratio p/u [95% CI] (min-max)",
+        "hit != expected u/p",
+        "answer = cold u/p (ties, wrong)",
+    ]
+    body = []
+    for s in summary:
+        u, p, r = s["unpatched"], s["patched"], s["ratio_patched_unpatched"]
+        body.append(
+            [
+                s["S"],
+                s["kind"],
+                f"{u['median_ms']:.1f} ({u['iqr_ms'][0]:.1f}-{u['iqr_ms'][1]:.1f})",
+                f"{u['median_cached']:.0f}",
+                f"{p['median_ms']:.1f} ({p['iqr_ms'][0]:.1f}-{p['iqr_ms'][1]:.1f})",
+                f"{p['median_cached']:.0f}",
+                f"{u['expected_cached']}/{p['expected_cached']}",
+                ratio_text(r),
+                f"{u['flagged_no_hit']}/{p['flagged_no_hit']}",
+                "" if u.get("verdicts") is None else f"{_answers(u)} / {_answers(p)}",
+            ]
+        )
+    return headers, body
+
+
+def _answers(side: dict) -> str:
+    v = side["verdicts"]
+    return f"{v['same']}/{side['n']} ({v['tie']}, {v['wrong']})"
+
+
+def failures(rows: list[dict], distinct_cold: int) -> list[str]:
+    """Every reason this run is not evidence, one line each, naming tree, S and repetition."""
+    out = []
+    for r in rows:
+        if not r["hit_ok"]:
+            out.append(
+                f"HIT: {r['tree']} S={r['S']} rep={r['rep']} {r['kind']}: "
+                f"{r['cached_tokens']} cached tokens, the geometry says {r['expected_cached']}"
+            )
+        if r.get("oracle", {}).get("verdict") == "wrong":
+            out.append(
+                f"ORACLE: {r['tree']} S={r['S']} rep={r['rep']}: the cached answer's first "
+                f"position differs from the cold run's by {r['oracle']['first_logprob_diff']} "
+                "(a restored state is not the state it claims to be)"
+            )
+    if distinct_cold <= 1:
+        out.append("ORACLE: every cold request got the same answer: it proves nothing")
+    return out
+
+
+def oracle_summary(rows: list[dict], tolerance: float) -> dict:
+    """The oracle's verdicts over the cached follow-ups, and whether it could fail at all
+    (only when the cold answers depend on the context)."""
+    judged = [r for r in rows if r["kind"] == "cached_B"]
+    distinct = distinct_cold_answers(rows)
+    return {
+        "tolerance_first_logprob": tolerance,
+        "verdicts": {
+            v: sum(r["oracle"]["verdict"] == v for r in judged) for v in ("same", "tie", "wrong")
+        },
+        "max_first_logprob_diff": max(
+            (
+                float("inf") if (d := r["oracle"]["first_logprob_diff"]) is None else d
+                for r in judged
+            ),
+        ),
+        "distinct_cold_answers": distinct,
+        "can_fail": distinct > 1,
+        "wrong": sorted(
+            {(r["tree"], r["S"], r["rep"]) for r in judged if r["oracle"]["verdict"] == "wrong"}
+        ),
+    }
+
+
+def distinct_cold_answers(rows: list[dict]) -> int:
+    return len({tuple(r["token_ids"]) for r in rows if r["kind"] in ("cold_A", "cold_B")})

@@ -1,0 +1,292 @@
+"""Where a conversation turn's time goes, unpatched vs patched (a benchmark, not a test).
+
+Runs the bench's 4-turn conversation on vLLM's engine in this process (the CPU
+default's server arguments, compiled as the server is) once per tree, each tree
+in its own process, and attributes each turn's prefill: engine steps, time in
+the model runner's steps, time in the copy-on-write block copies, and time in
+the Mamba pre-/post-processing (``cpu-mamba-align-spec``'s Python copy loop).
+Repetitions alternate the trees (A B A B ...); medians with min-max and the
+ratio's seeded 95 % bootstrap interval (``kit.bench.ttft_stats``).
+
+``--checkpoints`` as for ``kit bench``: ``internal`` (default) switches the CPU
+GDN export on in both trees (VLLM_CPU_GDN_PREFILL_CHECKPOINT=1) under an
+8192-token step budget; ``split`` leaves it off under 2048. The JSON output,
+one file per path (``results/turn-cost-<path>.json`` unless ``--out`` says
+otherwise, so one path's run never replaces the other's), records the path and
+the engine steps of every turn per tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from kit import schema
+from kit.bench import serve_args, ttft, ttft_stats
+from kit.geometry.geometry_model import UNIT
+from kit.vllm_tree import mods, trees
+
+ROOT = Path(__file__).resolve().parents[2]
+TREES = ttft.TREES
+
+
+def default_out(path: str) -> Path:
+    """Where a run of checkpoint path ``path`` writes its JSON by default."""
+    return ROOT / "results" / f"turn-cost-{path}.json"
+
+
+def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
+    """Wrap the engine's phases; each wrapper adds its wall time to ``timings``."""
+    import vllm.v1.worker.gpu_model_runner as runner_mod
+    import vllm.v1.worker.mamba_utils as mamba_mod
+
+    def timed(owner, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timings[key] += time.perf_counter() - start
+                counts[key] += 1
+
+        setattr(owner, name, wrapper)
+
+    timed(runner_mod.GPUModelRunner, "execute_model", "step")
+    timed(runner_mod, "copy_kv_cache_blocks_inplace", "cow_copy")
+    timed(mamba_mod, "preprocess_mamba", "mamba_pre")
+    if hasattr(mamba_mod, "postprocess_mamba_align_cpu"):
+        timed(mamba_mod, "postprocess_mamba_align_cpu", "mamba_post")
+
+
+def measure(
+    tree: str, reps: int, shared: int, path: str = serve_args.DEFAULT_CHECKPOINTS
+) -> list[dict]:
+    """In a process whose ``vllm`` is the tree (and whose environment has the path's
+    checkpoint switch, ``_run_tree``): per repetition and turn, the phase times."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kit.weights.tiny_model import write_tiny_model
+
+    model = write_tiny_model(ROOT / ".models" / "tiny-qwen3-next", weights=True)
+    kwargs = dict(
+        model=str(model),
+        dtype="bfloat16",
+        max_model_len=8192,
+        block_size=serve_args.CPU_BLOCK,
+        max_num_batched_tokens=serve_args.PATH_BUDGET[path],
+        mamba_ssm_cache_dtype=serve_args.CPU_SSM_CACHE_DTYPE,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align",
+        prefix_match_unit=UNIT,
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=0.3,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )
+    if tree == "patched":
+        kwargs.update(mods.switch_fields("cpu", Path(vllm.__file__).parent))
+    timings: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    _instrument(timings, counts)
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=ttft.REPLY_TOKENS, temperature=0.0, ignore_eos=True)
+    out = []
+    for rep in range(-1, reps):  # -1: warm-up, not recorded
+        prompt = ttft.context(rep, shared, "conv") + [4000 + i for i in range(ttft.TURN_LEN)]
+        for turn in range(4):
+            timings.clear()
+            counts.clear()
+            start = time.perf_counter()
+            done = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+            wall = time.perf_counter() - start
+            if rep >= 0:
+                out.append(
+                    {
+                        "tree": tree,
+                        "path": path,
+                        "rep": rep,
+                        "turn": turn + 1,
+                        "prompt_tokens": len(prompt),
+                        "cached_tokens": done.num_cached_tokens,
+                        "wall_s": wall,
+                        **{f"{k}_s": v for k, v in timings.items()},
+                        **{f"{k}_n": v for k, v in counts.items()},
+                    }
+                )
+            reply = list(done.outputs[0].token_ids)
+            prompt = prompt + reply + [3000 + 50 * turn + i for i in range(ttft.TURN_LEN)]
+    return out
+
+
+def tree_env(tree: str, path: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The measuring process's environment: the tree's vllm, its own compile cache, and
+    the path's checkpoint switch (set for internal, removed for split)."""
+    env = trees.pinned(tree).env(base, VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm" / tree))
+    env.pop(serve_args.CHECKPOINT_ENV, None)
+    return {**env, **serve_args.PATH_ENV[path]}
+
+
+def _run_tree(tree: str, reps: int, shared: int, path: str) -> list[dict]:
+    env = tree_env(tree, path)
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "kit.bench.turn_cost", "measure", tree]
+        cmd += ["--reps", str(reps), "--shared", str(shared), "--out", out.name]
+        cmd += ["--checkpoints", path]
+        subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+        return json.loads(Path(out.name).read_text())
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    keys = ("wall_s", "step_s", "step_n", "cow_copy_s", "mamba_pre_s", "mamba_post_s")
+    table = []
+    for turn in sorted({r["turn"] for r in rows}):
+        line: dict = {"turn": turn}
+        for key in keys:
+            per_tree = {}
+            for tree in TREES:
+                vals = [r.get(key, 0) for r in rows if r["tree"] == tree and r["turn"] == turn]
+                per_tree[tree] = statistics.median(vals) if vals else 0
+            line[key] = per_tree
+        line["ratio_wall"] = ttft_stats.paired_ratio(
+            [r for r in rows if r["turn"] == turn], "wall_s"
+        )
+        table.append(line)
+    return table
+
+
+def engine_steps(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Median engine steps per turn, per tree: {tree: {"turn1": n, ...}}."""
+    return {
+        tree: {
+            f"turn{turn}": statistics.median(
+                r.get("step_n", 0) for r in rows if r["tree"] == tree and r["turn"] == turn
+            )
+            for turn in sorted({r["turn"] for r in rows if r["tree"] == tree})
+        }
+        for tree in TREES
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd")
+    m = sub.add_parser("measure", help="(internal) measure the tree this process imports")
+    m.add_argument("tree", choices=TREES)
+    m.add_argument("--reps", type=int, required=True)
+    m.add_argument("--shared", type=int, required=True)
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--checkpoints", choices=serve_args.CHECKPOINT_PATHS, required=True)
+    parser.add_argument("--reps", type=int, default=5, help="repetitions (default: %(default)s)")
+    parser.add_argument("--shared", type=int, default=1007, help="context length S")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write the rows and the summary here (JSON; default: "
+        "results/turn-cost-<path>.json, the --checkpoints path's own file)",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        choices=serve_args.CHECKPOINT_PATHS,
+        default=serve_args.DEFAULT_CHECKPOINTS,
+        help=f"internal: {serve_args.CHECKPOINT_ENV}=1, step budget "
+        f"{serve_args.PATH_BUDGET['internal']}; split: the variable absent, step budget "
+        f"{serve_args.PATH_BUDGET['split']} (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    if args.cmd != "measure" and args.out is None:
+        args.out = default_out(args.checkpoints)
+    return args
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> dict:
+    """What results/turn-cost-<path>.json holds (stamped with its schema)."""
+    return schema.stamp(
+        "turn-cost",
+        {
+            "path": args.checkpoints,
+            "budget": serve_args.PATH_BUDGET[args.checkpoints],
+            "env": serve_args.PATH_ENV[args.checkpoints],
+            "reps_per_round": args.reps,
+            "shared": args.shared,
+            "engine_steps": engine_steps(rows),
+            "rows": rows,
+            "summary": summarize(rows),
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cmd == "measure":
+        rows = measure(args.tree, args.reps, args.shared, args.checkpoints)
+        args.out.write_text(json.dumps(rows))
+        return 0
+    from tabulate import tabulate
+
+    # Alternate the trees per round so drift in the machine hits both alike.
+    rows: list[dict] = []
+    for round_ in range(2):
+        order = TREES if round_ % 2 == 0 else TREES[::-1]
+        for tree in order:
+            rows += [
+                dict(r, rep=r["rep"] + round_ * args.reps)
+                for r in _run_tree(tree, args.reps, args.shared, args.checkpoints)
+            ]
+    result = report(args, rows)
+    summary = result["summary"]
+
+    def pair(line: dict, key: str, digits: int) -> str:
+        scale = 1 if key.endswith("_n") else 1000
+        u, p = (scale * line[key][tree] for tree in TREES)
+        return f"{u:.{digits}f} / {p:.{digits}f}"
+
+    body = []
+    for line in summary:
+        ratio = line["ratio_wall"]
+        body.append(
+            [
+                line["turn"],
+                pair(line, "step_n", 0),
+                pair(line, "wall_s", 1),
+                ttft_stats.ratio_text(ratio),
+                pair(line, "step_s", 1),
+                pair(line, "cow_copy_s", 2),
+                pair(line, "mamba_pre_s", 2),
+                pair(line, "mamba_post_s", 2),
+            ]
+        )
+    headers = [
+        "turn",
+        "steps u/p",
+        "turn ms u/p",
+        "ratio p/u [95% CI] (min-max)",
+        "in steps ms u/p",
+        "CoW copy ms u/p",
+        "Mamba pre ms u/p",
+        "Mamba post ms u/p",
+    ]
+    budget = serve_args.PATH_BUDGET[args.checkpoints]
+    print(f"checkpoint path: {args.checkpoints} (step budget {budget})")
+    print(tabulate(body, headers=headers))
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

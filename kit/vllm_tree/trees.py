@@ -1,0 +1,278 @@
+"""The vLLM tree a process runs against: one ``Tree`` value, made once, passed everywhere.
+
+A ``Tree`` names a ``vllm`` package directory and what goes with it: the
+environment of a process that must import exactly that package (its search
+path, for subprocesses and servers, or ``activate`` in this process), the mods
+recorded beside it, and whether it carries the fix under test ("patched" is
+decided by the mods, never by a name). Made by ``pinned`` (this module's trees
+of the pinned release), ``kit.vllm_tree.releases.tree`` (a later release's, from its
+sdist), ``installed`` (the images' own vllm) and ``select`` (``KIT_TREE``).
+
+The pinned release's two trees: unpatched and patched.
+
+"unpatched" is the pinned vLLM plus the target's enablement mods (cpu:
+cpu-mamba-align-spec, which only lets MTP run with align mode on the CPU);
+"patched" adds the fix under test. The two differ by the fix alone.
+
+Both are hard-linked copies of the ``vllm`` package in ``.venv`` (cheap: only
+files a mod rewrites get new inodes, because the engine replaces files by
+rename). A stamp records what each tree was made from and the contents of every file a mod
+touches; a missing or stale stamp, or a tree whose files changed since (a mod
+applied by hand, an interrupted apply), means the tree is rebuilt, never used.
+Builds take a lock: two processes never build the same tree at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kit.vllm_tree import mods, pins
+
+ROOT = Path(__file__).resolve().parents[2]
+TREES = ROOT / ".trees"
+STAMP = ".kit-tree.json"
+TREE_NAMES = ("unpatched", "patched")
+SELECT_ENV = "KIT_TREE"
+
+
+@dataclass(frozen=True)
+class Tree:
+    """One vLLM package and the environment a process needs to import exactly it."""
+
+    name: str  # unpatched | patched | pristine | installed
+    package: Path  # the ``vllm`` directory
+    extra_paths: tuple[Path, ...] = ()  # dependencies a release adds to the .venv's
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def release(self) -> str:
+        return mods.tree_version(self.package)[0]
+
+    @property
+    def search_path(self) -> list[str]:
+        """PYTHONPATH entries: the tree before everything, then the kit, then extras."""
+        first = [] if self.name == "installed" else [str(self.package.parent)]
+        return [*first, str(ROOT), *map(str, self.extra_paths)]
+
+    def env(self, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+        """The environment of a subprocess or server that runs on this tree."""
+        env = dict(os.environ if base is None else base)
+        inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join([*self.search_path, *inherited])
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.extra_env)
+        env.update(extra)
+        return env
+
+    def activate(self) -> None:
+        """Make this process import this tree's vllm (before anything imports it)."""
+        if "vllm" in sys.modules and not sys.modules["vllm"].__file__.startswith(str(self.package)):
+            raise mods.ModError(f"vllm is already imported from elsewhere; cannot use {self}")
+        for entry in reversed(self.search_path):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+
+    def mods_record(self) -> dict:
+        """What the mod engine recorded beside the package: release, commit, mods;
+        checked against the files it names."""
+        return mods.verify_record(self.package)
+
+    @property
+    def mods(self) -> list[str]:
+        return [m["name"] for m in self.mods_record()["mods"]]
+
+    @property
+    def patched(self) -> bool:
+        """Carries a switched mod: the fix under test, whatever release it was made for."""
+        return any("enable_flag" in mods.load_mod(n).manifest for n in self.mods)
+
+    def __str__(self) -> str:
+        return f"{self.name} tree ({self.package})"
+
+
+def pinned(name: str, target: str = "cpu") -> Tree:
+    """``.trees/<name>`` of the pinned release, rebuilt first when missing or stale."""
+    return Tree(name, ensure_tree(name, target))
+
+
+def installed() -> Tree:
+    """The vllm installed in this environment (the images); found without importing it,
+    as an import can initialise a GPU."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise mods.ModError("no vllm package is installed in this environment")
+    return Tree("installed", Path(next(iter(spec.submodule_search_locations))))
+
+
+def select(name: str | None = None) -> Tree:
+    """The tree ``KIT_TREE`` names: unpatched, patched (the default) or installed."""
+    name = name or os.environ.get(SELECT_ENV, "patched")
+    if name == "installed":
+        return installed()
+    if name not in TREE_NAMES:
+        raise mods.ModError(
+            f"{SELECT_ENV}={name!r}: use one of {', '.join((*TREE_NAMES, 'installed'))}"
+        )
+    return pinned(name)
+
+
+def venv_vllm(venv: Path = ROOT / ".venv") -> Path:
+    found = sorted(venv.glob("lib/python3*/site-packages/vllm"))
+    if not found:
+        raise mods.ModError(f"no vllm package under {venv}; run 'make setup' first")
+    return found[0]
+
+
+def tree_dir(name: str) -> Path:
+    if name not in TREE_NAMES:
+        raise mods.ModError(f"unknown tree {name!r}; use one of {TREE_NAMES}")
+    return TREES / name
+
+
+def _wanted_stamp(source: Path, name: str, target: str) -> dict:
+    version, _ = mods.tree_version(source)
+    wanted = {
+        "source": str(source),
+        "vllm_version": version,
+        "source_init_mtime": os.stat(source / "__init__.py").st_mtime_ns,
+        "mods": [],
+    }
+    wanted["mods"] = [[m.name, m.patch_sha256] for m in mods.mods_for_target(target, name)]
+    return wanted
+
+
+def _hardlink_copy(source: Path, dest: Path) -> None:
+    shutil.copytree(
+        source, dest, copy_function=os.link, ignore=shutil.ignore_patterns(mods.LOCK_NAME)
+    )
+
+
+def package_contents(folder: Path) -> dict | None:
+    """What a stamp must see of a built vLLM tree beyond its inputs: the sha256 of every
+    file any mod touches, and whether an apply/revert was left half done. A tree
+    changed after its build (a mod applied by hand, a crash) then no longer matches."""
+    package = folder / "vllm"
+    if not (package / "__init__.py").is_file():
+        return None
+    touched = sorted(
+        {rel for name in mods.available() for rel in mods.load_mod(name).manifest["files"]}
+    )
+    return {
+        "files": {
+            rel: pins.file_sha256(package / rel) for rel in touched if (package / rel).is_file()
+        },
+        "interrupted": mods.journal_path(package).exists(),
+    }
+
+
+@contextmanager
+def _build_lock(home: Path) -> Iterator[None]:
+    """One builder of ``home`` at a time, across processes; the others wait and then
+    find it built."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with open(home.with_name(f".{home.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _legacy_stamp(home: Path) -> object:
+    try:
+        stamp = json.loads((home / STAMP).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return None if isinstance(stamp, dict) and "want" in stamp else stamp
+
+
+def _current(home: Path, want: object, must_have: str | None) -> bool:
+    try:
+        stamp = json.loads((home / STAMP).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(stamp, dict) or stamp.get("want") != want:
+        return False
+    if must_have is not None and not (home / must_have).exists():
+        return False
+    return stamp.get("contents") == package_contents(home)
+
+
+def stamped_folder(
+    home: Path, want: object, fill: Callable[[Path], None], must_have: str | None = None
+) -> Path:
+    """``home`` as ``fill`` makes it, rebuilt only when its stamp is not ``want`` or a
+    vLLM tree in it no longer has the contents it was built with.
+
+    Built in a private temporary folder beside it, under a lock, and swapped in by
+    rename, the stamp written last: a failed or interrupted build leaves the previous
+    folder or none, never half of one, and two builders never share a folder.
+    """
+    if _current(home, want, must_have):
+        return home
+    with _build_lock(home):
+        if _current(home, want, must_have):  # another process built it while we waited
+            return home
+        if _legacy_stamp(home) == want and (must_have is None or (home / must_have).exists()):
+            # A stamp from before contents were recorded: take the contents as they are
+            # once, rather than rebuild every tree under processes running from them.
+            stamp = {"want": want, "contents": package_contents(home)}
+            (home / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+            return home
+        build = Path(tempfile.mkdtemp(prefix=f".{home.name}.building-", dir=home.parent))
+        try:
+            fill(build)
+            stamp = {"want": want, "contents": package_contents(build)}
+            (build / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+            old = home.with_name(f".{home.name}.old-{os.getpid()}")
+            if home.exists():
+                os.replace(home, old)
+            os.replace(build, home)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    return home
+
+
+def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> Path:
+    """Return ``.trees/<name>/vllm``, rebuilding it when missing or stale."""
+    source = source or venv_vllm()
+    stage_mods = mods.mods_for_target(target, name)
+
+    def fill(build: Path) -> None:
+        _hardlink_copy(source, build / "vllm")
+        if stage_mods:
+            mods.apply(build / "vllm", stage_mods)
+
+    home = tree_dir(name)
+    return stamped_folder(home, _wanted_stamp(source, name, target), fill, "vllm") / "vllm"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default="cpu", choices=mods.TARGETS)
+    args = parser.parse_args(argv)
+    try:
+        for name in TREE_NAMES:
+            path = ensure_tree(name, args.target)
+            print(
+                f"{name:10s} {path}  ({len(mods.read_mods_record(path)['mods'])} mods, "
+                f"pins {pins.file_sha256()[:12]})"
+            )
+    except (mods.ModError, pins.PinError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

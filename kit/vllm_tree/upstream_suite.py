@@ -1,0 +1,308 @@
+"""`make upstream-suite`: vLLM's own tests/v1/core/prefix_cache against both trees.
+
+The tests come from the release's source distribution (through pip's configured
+index, sha256 checked):
+the pinned release by default, ``--vllm <release>`` (`make upstream-suite
+VLLM=0.34.0`) a later one from pins.toml [releases], run against that release's
+trees (kit/vllm_tree/releases.py). The patched tree must pass every case the
+unpatched tree passes. Two cases need a GPU and a hub model
+(Qwen/Qwen3.5-0.8B) and are deselected with that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from kit import bundle, schema
+from kit.process_group import stop_group
+from kit.vllm_tree import pins, sdists, trees
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / ".cache"
+SUITE = "tests/v1/core/prefix_cache"
+NEEDS_GPU_AND_HUB = (
+    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py::"
+    "test_prefix_cache_hit_rate[base]",
+    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py::"
+    "test_prefix_cache_hit_rate[mtp]",
+)
+
+
+class SuiteError(RuntimeError):
+    pass
+
+
+def extract_tests(sdist: Path, version: str | None = None) -> Path:
+    """Unpack only ``tests/`` once; a stamp names the sdist it came from."""
+    version = version or pins.get("vllm.version")
+    want = pins.file_sha256(sdist)
+    dest = CACHE / f"vllm-{version}-tests"
+    stamp = dest / ".kit-stamp"
+    if stamp.is_file() and stamp.read_text() == want:
+        return dest
+    build = dest.with_name(dest.name + ".building")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
+    sdists.unpack(sdist, version, "tests", build)
+    # Our pyproject's strict pytest settings must not apply to upstream's tests.
+    (build / "pytest.ini").write_text("[pytest]\n")
+    stamp_tmp = build / ".kit-stamp"
+    stamp_tmp.write_text(want)
+    shutil.rmtree(dest, ignore_errors=True)
+    build.replace(dest)
+    return dest
+
+
+def partial(path: Path) -> Path:
+    """Where a run writes ``path`` until it finishes: the committed file stays whole
+    until the new one replaces it by rename."""
+    return path.with_name(f".{path.name}.partial")
+
+
+class Stopped(BaseException):
+    """SIGTERM: stop the pytest runs (their whole process groups) and keep the old logs."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Stopped(signal.Signals(signum).name)
+
+
+def start_suite(
+    name: str, tests_dir: Path, out_dir: Path, tree: trees.Tree
+) -> tuple[subprocess.Popen, Path]:
+    """Run the suite against one tree, in the background, in its own process group;
+    returns the process and its junit file. Both the junit and the log are written to
+    ``partial`` names; ``commit_outputs`` renames them once the run finished."""
+    junit = partial(out_dir / f"upstream-{name}.xml")
+    env = tree.env(
+        PYTHONDONTWRITEBYTECODE="1",  # the tests may sit on a read-only mount
+        VLLM_LOGGING_LEVEL="ERROR",
+    )
+    env["PYTHONPATH"] += os.pathsep + str(tests_dir)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        SUITE,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore",
+        "-c",
+        str(tests_dir / "pytest.ini"),
+        "--rootdir",
+        str(tests_dir),
+        f"--junitxml={junit}",
+    ]
+    cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
+    if tree.extra_env.get("VLLM_TARGET_DEVICE") == "cpu":
+        cmd += ["-p", "kit.vllm_tree.release_plugin"]
+    with partial(out_dir / f"upstream-{name}.log").open("w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tests_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, junit
+
+
+def run_suites(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """Wait for every run; on SIGTERM or Ctrl-C stop every run's process group (pytest
+    and whatever it started) and drop the partial files, then re-raise."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        for proc, _ in runs.values():
+            proc.wait()
+    except BaseException:
+        for proc, junit in runs.values():
+            stop_group(proc.pid, grace=10)
+            proc.wait()
+            for path in (junit, junit.with_name(junit.name.replace(".xml.", ".log."))):
+                path.unlink(missing_ok=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def commit_outputs(out_dir: Path, names: list[str]) -> dict[str, Path]:
+    """The finished runs' junit and log files renamed into place; returns the junits."""
+    junits = {}
+    for name in names:
+        for suffix in ("xml", "log"):
+            final = out_dir / f"upstream-{name}.{suffix}"
+            if partial(final).is_file():
+                os.replace(partial(final), final)
+            else:
+                final.unlink(missing_ok=True)  # an old file must not pass for this run's
+        junits[name] = out_dir / f"upstream-{name}.xml"
+    return junits
+
+
+OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """Each case's outcome in a pytest junit file: one of ``OUTCOMES``."""
+    result = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        skipped = case.find("skipped")
+        if kinds & {"failure", "error"}:
+            result[name] = "failed"
+        elif skipped is not None:
+            result[name] = "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
+        else:
+            result[name] = "passed"
+    return result
+
+
+def counts(junit: Path) -> dict[str, int]:
+    """How many cases had each outcome; all zero when the file is missing."""
+    found = list(outcomes(junit).values()) if junit.is_file() else []
+    return {kind: found.count(kind) for kind in OUTCOMES}
+
+
+def _code_under_test(record: dict) -> tuple:
+    mods = sorted((m["name"], m["patch_sha256"]) for m in record.get("mods", []))
+    return record.get("vllm_version"), mods
+
+
+def flow_run_of(under_test: dict[str, trees.Tree]) -> Path | None:
+    """The newest container-flow bundle that ran this suite on the same code as these trees."""
+    commit = bundle.kit_commit()
+    # A changed checkout may differ from what the images were built from.
+    if not commit or commit.endswith("-dirty"):
+        return None
+    for manifest in sorted(bundle.RESULTS.glob(f"*/{bundle.MANIFEST}"), reverse=True):
+        run = manifest.parent
+        meta = bundle.read_json(manifest)
+        if (meta.get("kit_commit"), meta.get("pins_sha256"), meta.get("target")) != (
+            commit,
+            pins.file_sha256(),
+            "cpu",
+        ):
+            continue
+        stages = {stage: bundle.suite_dir(run, stage) for stage in under_test}
+        if all(
+            (folder / f"upstream-{stage}.xml").is_file()
+            and _code_under_test(bundle.read_json(folder / bundle.IMAGE_RECORD))
+            == _code_under_test(under_test[stage].mods_record())
+            for stage, folder in stages.items()
+        ):
+            return run
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sdist", type=Path, help="use this vllm sdist instead of downloading")
+    parser.add_argument(
+        "--vllm",
+        metavar="RELEASE",
+        help="a later release from pins.toml [releases], or 'newest' (default: the pinned one)",
+    )
+    parser.add_argument(
+        "--out", type=Path, help="a folder (default: results/upstream-suite[/<release>])"
+    )
+    parser.add_argument(
+        "--reuse-flow",
+        action="store_true",
+        help="pinned release: read the outcomes of a container-flow run of this kit "
+        "commit whose images carry these trees' vLLM and mods, instead of running again",
+    )
+    args = parser.parse_args(argv)
+    from kit.vllm_tree import releases
+
+    out_dir = args.out or ROOT / "results" / "upstream-suite"
+    try:
+        if args.vllm == "newest":
+            args.vllm = releases.newest()
+        if args.vllm and args.vllm != pins.get("vllm.version"):
+            releases.release_pins(args.vllm)  # an unknown release: say so before any download
+            sdist = sdists.release(args.vllm, args.sdist)
+            tests_dir = extract_tests(sdist, args.vllm)
+            out_dir = args.out or out_dir / args.vllm
+            under_test = {
+                name: releases.tree(args.vllm, name) for name in releases.stages(args.vllm)
+            }
+        else:
+            tests_dir = extract_tests(sdists.pinned(args.sdist))
+            under_test = {name: trees.pinned(name) for name in trees.TREE_NAMES}
+    except (SuiteError, sdists.SdistError, releases.ReleaseError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if "patched" not in under_test:
+        print(f"error: no mod is made for vLLM {args.vllm}; nothing to compare", file=sys.stderr)
+        return 2
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flow_run = flow_run_of(under_test) if args.reuse_flow and not args.vllm else None
+    if flow_run:
+        for name in under_test:
+            for suffix in ("xml", "log"):
+                source = bundle.suite_dir(flow_run, name) / f"upstream-{name}.{suffix}"
+                shutil.copy(source, partial(out_dir / source.name))
+        print(f"read from {flow_run.name}: that run's images carry these trees' vLLM and mods")
+    else:
+        # Both trees at once: one core each.
+        runs = {}
+        try:
+            for name, tree in under_test.items():
+                runs[name] = start_suite(name, tests_dir, out_dir, tree)
+            run_suites(runs)
+        except (Stopped, KeyboardInterrupt) as exc:
+            print(
+                f"stopped ({exc or 'SIGINT'}): both runs ended; {out_dir} unchanged",
+                file=sys.stderr,
+            )
+            return 143 if isinstance(exc, Stopped) else 130
+    junits = commit_outputs(out_dir, list(under_test))
+    report, verdict, ok = compare({name: outcomes(junit) for name, junit in junits.items()})
+    report["ran_in"] = f"results/{flow_run.name} (the images)" if flow_run else "the host's trees"
+    bundle.write_json(out_dir / bundle.UPSTREAM, report)
+    print(verdict)
+    return 0 if ok else 1
+
+
+def compare(results: dict[str, dict[str, str]]) -> tuple[dict, str, bool]:
+    """The patched side must pass every case the unpatched side passes."""
+    unpatched, patched = results["unpatched"], results["patched"]
+    lost = sorted(n for n, o in unpatched.items() if o == "passed" and patched.get(n) != "passed")
+    summary = {
+        name: {k: list(r.values()).count(k) for k in OUTCOMES} for name, r in results.items()
+    }
+    # Stamped here: the container flow writes this report too.
+    report = schema.stamp("upstream-suite", {}) | {
+        "suite": SUITE,
+        "deselected_needs_gpu_and_hub": list(NEEDS_GPU_AND_HUB),
+        "summary": summary,
+        "passed_unpatched_not_patched": lost,
+    }
+    lines = [f"{name:10s} {counts}" for name, counts in summary.items()]
+    lines.append(f"deselected (need a GPU and Qwen/Qwen3.5-0.8B): {len(NEEDS_GPU_AND_HUB)}")
+    if lost:
+        lines.append("patched fails cases the unpatched passes:\n  " + "\n  ".join(lost))
+        return report, "\n".join(lines), False
+    if summary["unpatched"]["passed"] == 0:
+        lines.append("no upstream case passed on the unpatched side; the suite did not run")
+        return report, "\n".join(lines), False
+    lines.append("patched passes every case the unpatched passes")
+    return report, "\n".join(lines), True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

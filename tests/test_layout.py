@@ -1,0 +1,125 @@
+"""kit/ is organised by layer: each layer imports only from the layers before it, and no
+module imports another that (directly or through others) imports it back. Imports inside
+functions count too: a lazy import is still a dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KIT = ROOT / "kit"
+# The order README "Where things live" gives; "" is the shared modules in kit/ itself.
+LAYERS = ("", "geometry", "vllm_tree", "weights", "rig", "bench", "images")
+SHARED = {"__init__", "cli", "bundle", "schema", "plot", "loopback", "process_group"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(KIT.rglob("*.py"))}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else ""
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The kit modules ``path`` imports anywhere in it (module-level or in a function)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from kit.bench import run`` imports kit.bench.run; ``from kit.bench.run
+            # import main`` imports kit.bench.run.
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name.startswith("kit.") or name == "kit":
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    # A package's __init__ is imported on the way to any of its modules: not an edge.
+    packages = {m for m, p in mods.items() if p.name == "__init__.py"}
+    return {m: imports_of(p, known) - packages - {m} for m, p in mods.items()}
+
+
+def test_every_module_sits_in_a_layer() -> None:
+    stray = [
+        m
+        for m, p in modules().items()
+        if p.parent == KIT
+        and p.stem not in SHARED
+        or p.parent != KIT
+        and p.parent.name not in LAYERS
+    ]
+    assert not stray, f"modules outside the layers {LAYERS}: {stray} (move them, or add the layer)"
+
+
+def test_layers_import_only_the_layers_before_them() -> None:
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    upward = [
+        f"{m} ({layer_of(m) or 'shared'}) imports {d} ({layer_of(d) or 'shared'})"
+        for m, deps in graph().items()
+        for d in deps
+        if rank[layer_of(d)] > rank[layer_of(m)]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    edges = graph()
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(edges[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import kit.rig.stress\n", {"kit.rig.stress"}),
+        ("def f():\n    from kit.bench import run\n", {"kit.bench.run"}),
+        ("from kit.bench.run import main\n", {"kit.bench.run"}),
+        ("from kit import bundle\n", {"kit.bundle"}),
+    ],
+)
+def test_the_checker_sees_every_import_form(tmp_path: Path, source: str, expected: set) -> None:
+    # A layout test that misses lazy or ``from kit import x`` imports would pass vacuously.
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    assert imports_of(probe, set(modules())) - {"kit", "kit.bench", "kit.rig"} == expected
+
+
+def test_an_upward_import_is_caught(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from kit.images import orchestrate\n")
+    deps = imports_of(probe, set(modules()))
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    assert any(rank[layer_of(d)] > rank["rig"] for d in deps)
