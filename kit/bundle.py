@@ -45,7 +45,7 @@ RAW = "raw.json"
 BENCH_MD = "bench.md"
 PLOT = "ttft.png"
 FIGURES = {
-    "ttft.png": "TTFT per repetition, both trees, with the ratio's median and range",
+    "ttft.png": "TTFT per repetition, both trees, with the ratio's median and 95 % interval",
     "cached-tokens.png": "cached tokens resumed vs S per tree, the model's prediction, ideal",
 }
 FAILED = "failed.json"
@@ -139,6 +139,18 @@ def write_bench(bundle: Path, report: dict, rows: list[dict], markdown: str) -> 
     plot.bench_figures(report, rows, bundle)
     # Last: bench.json is what makes the folder a bundle.
     write_json(bundle / BENCH, schema.stamp("bench", report))
+
+
+def redraw(bundle: Path) -> list[Path]:
+    """Draw a bundle's figures again from its own bench.json and raw.json (figures of
+    an older kit; nothing measured changes)."""
+    report = load(bundle)
+    rows = _strict_json(bundle / RAW) if (bundle / RAW).is_file() else None
+    if not isinstance(rows, list):
+        raise BundleError(f"{bundle}: no {RAW} with the requests; the figures need it")
+    from kit import plot
+
+    return plot.bench_figures(report, rows, bundle)
 
 
 def write_failed(bundle: Path, reason: str, status: str) -> Path:

@@ -4,7 +4,8 @@ the .venv, so the kit draws its few charts itself: axes, ticks, points, lines).
 - ``cached-tokens.png``: cached tokens resumed by the follow-up vs the context length
   S, per tree, against the geometry model's prediction and the ideal;
 - ``ttft.png``: the cached follow-up's TTFT per repetition, both trees, one panel per
-  S, titled with the patched/unpatched ratio's median and range;
+  S, titled with the patched/unpatched ratio's median and its 95 % bootstrap interval
+  (min-max for bundles from before the interval); both titled with the checkpoint path;
 - ``compare.png`` (``kit report A B --figure``): two bundles' ratios side by side.
 """
 
@@ -144,7 +145,14 @@ def legend(draw: ImageDraw.ImageDraw, x: int, y: int, items: list[tuple[str, tup
         draw.text((x + 24, cy), label, fill=BLACK, font=font, anchor="lm")
 
 
-def cached_tokens_figure(summary: list[dict], rows: list[dict], path: Path) -> Path:
+def path_label(path: str | None) -> str:
+    """The checkpoint path a bench ran on, for a figure's title (older bundles: none)."""
+    return f", {path} checkpoints" if path else ""
+
+
+def cached_tokens_figure(
+    summary: list[dict], rows: list[dict], path: Path, checkpoints: str | None = None
+) -> Path:
     cached = sorted((s for s in summary if s["kind"] == "cached_B"), key=lambda s: s["S"])
     shared = [s["S"] for s in cached]
     ideal = {r["S"]: r["ideal_cached"] for r in rows if "ideal_cached" in r}
@@ -156,7 +164,7 @@ def cached_tokens_figure(summary: list[dict], rows: list[dict], path: Path) -> P
         (90, 60, 640, 480),
         where,
         [0.0, *shared],
-        title="Cached tokens the follow-up B resumed, per context length S",
+        title=f"Follow-up B's cached tokens per S{path_label(checkpoints)}",
         xlabel="shared context S (tokens)",
         ylabel="cached tokens",
         xticks=where,
@@ -190,7 +198,13 @@ def cached_tokens_figure(summary: list[dict], rows: list[dict], path: Path) -> P
     return path
 
 
-def ttft_figure(summary: list[dict], rows: list[dict], path: Path, kind: str = "cached_B") -> Path:
+def ttft_figure(
+    summary: list[dict],
+    rows: list[dict],
+    path: Path,
+    kind: str = "cached_B",
+    checkpoints: str | None = None,
+) -> Path:
     lines = sorted((s for s in summary if s["kind"] == kind), key=lambda s: s["S"])
     cols = 2
     panels = max(1, len(lines))
@@ -198,7 +212,12 @@ def ttft_figure(summary: list[dict], rows: list[dict], path: Path, kind: str = "
     width, height = 1000, 80 + 300 * nrows
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((20, 14), f"TTFT per repetition, {kind}", fill=BLACK, font=_font(16))
+    draw.text(
+        (20, 14),
+        f"TTFT per repetition, {kind}{path_label(checkpoints)}",
+        fill=BLACK,
+        font=_font(16),
+    )
     legend(draw, width - 200, 20, [(t, c, "dot") for t, c in COLORS.items()])
     for i, line in enumerate(lines):
         col, row = i % cols, i // cols
@@ -218,8 +237,7 @@ def ttft_figure(summary: list[dict], rows: list[dict], path: Path, kind: str = "
             box,
             reps,
             [v for vals in series.values() for v in vals],
-            title=f"S={line['S']}: ratio p/u {ratio['median']:.2f} "
-            f"({ratio['min']:.2f}-{ratio['max']:.2f})",
+            title=f"S={line['S']}: ratio p/u {ratio['median']:.2f} {spread(ratio)}",
             xlabel="repetition",
             ylabel="ms",
             xticks=reps,
@@ -273,9 +291,17 @@ def compare_figure(named: list[tuple[str, list[dict]]], path: Path) -> Path:
     return path
 
 
+def spread(ratio: dict) -> str:
+    """The ratio's 95 % bootstrap interval; bundles from before it had only min-max."""
+    if "ci95" in ratio:
+        return f"[95% CI {ratio['ci95'][0]:.2f}-{ratio['ci95'][1]:.2f}]"
+    return f"(min-max {ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
 def bench_figures(report: dict, rows: list[dict], bundle: Path) -> list[Path]:
-    """The bundle's figures (see the module's text)."""
+    """The bundle's figures (see the module's text), titled with the checkpoint path."""
+    path = report.get("path")
     return [
-        cached_tokens_figure(report["summary"], rows, bundle / "cached-tokens.png"),
-        ttft_figure(report["summary"], rows, bundle / "ttft.png"),
+        cached_tokens_figure(report["summary"], rows, bundle / "cached-tokens.png", path),
+        ttft_figure(report["summary"], rows, bundle / "ttft.png", checkpoints=path),
     ]

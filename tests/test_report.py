@@ -134,3 +134,36 @@ def test_figures_cover_the_range(tmp_path: Path) -> None:
 
     assert nice_ticks(0, 2159) == [0, 500, 1000, 1500, 2000, 2500]
     assert nice_ticks(0, 0.47)[-1] >= 0.47
+
+
+def test_redraw_draws_a_bundles_figures_from_its_records(bundle: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / bundle.name
+    copy.mkdir()
+    for name in ("bench.json", "raw.json"):
+        shutil.copy(bundle / name, copy / name)
+    assert report.main([str(copy), "--redraw"]) == 0
+    first = {name: (copy / name).read_bytes() for name in bundle_module.FIGURES}
+    assert report.main([str(copy), "--redraw"]) == 0
+    # Drawn from the records alone: the same bytes every time.
+    assert first == {name: (copy / name).read_bytes() for name in bundle_module.FIGURES}
+
+
+def test_redraw_without_the_requests_says_what_is_missing(
+    bundle: Path, tmp_path: Path, capsys
+) -> None:
+    import shutil
+
+    shutil.copy(bundle / "bench.json", tmp_path / "bench.json")
+    assert report.main([str(tmp_path), "--redraw"]) == 2
+    assert "raw.json" in capsys.readouterr().err
+
+
+def test_figure_titles_name_the_path_and_the_interval() -> None:
+    from kit.plot import path_label, spread
+
+    ratio = {"median": 1.0, "ci95": [0.97, 1.04], "min": 0.8, "max": 1.3}
+    assert spread(ratio) == "[95% CI 0.97-1.04]"
+    assert spread({k: v for k, v in ratio.items() if k != "ci95"}) == "(min-max 0.80-1.30)"
+    assert path_label("internal") == ", internal checkpoints" and path_label(None) == ""

@@ -126,12 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PNG",
         help="with two bundles: draw their cached follow-up ratios side by side here",
     )
+    parser.add_argument(
+        "--redraw",
+        action="store_true",
+        help="draw each bundle's figures again from its bench.json and raw.json",
+    )
     args = parser.parse_args(argv)
     if len(args.bundles) > 2:
         parser.error("give one bundle, or two to compare")
     if args.figure and len(args.bundles) != 2:
         parser.error("--figure compares two bundles; give two")
     try:
+        if args.redraw:
+            for folder in args.bundles:
+                for drawn in bundle.redraw(folder):
+                    print(f"wrote {drawn}")
+            return 0
         text = render(args.bundles)
         if args.figure:
             from kit.plot import compare_figure
