@@ -23,6 +23,9 @@ VERSIONS = {
     "mods-drift": 1,  # mods-drift.json: every mod against every release
     "turn-cost": 1,  # turn-cost-<path>.json: where a turn's time goes, per tree and path
     "loss-sweep": 1,  # loss-sweep.json: the geometry model over random geometries
+    "kernel-check": 1,  # kernel-check.json: the CPU kernels against vLLM's Triton ones
+    "regress-measure": 1,  # one tree's grid measurements (an image's suites/<stage>/regress.json)
+    "image-record": 1,  # image.json: what an image stage holds (vLLM, mods, pins)
 }
 
 
@@ -33,6 +36,12 @@ class SchemaError(RuntimeError):
 def stamp(name: str, data: dict) -> dict:
     """``data`` with its schema first (a new dict; ``data`` is not changed)."""
     return {KEY: {"name": name, "version": VERSIONS[name]}, **data}
+
+
+def unstamp(name: str, data: object, path: Path | str) -> dict:
+    """``check``, then the content without its schema (for a record that is carried
+    into another results file, which has its own)."""
+    return {k: v for k, v in check(name, data, path).items() if k != KEY}
 
 
 def check(name: str, data: object, path: Path | str) -> dict:

@@ -32,3 +32,19 @@ def test_a_failed_run_says_why_with_its_schema(tmp_path: Path) -> None:
     schema.check("bench-failed", record, tmp_path / bundle.FAILED)
     assert record["status"] == "failed" and record["reason"] == "the patched server died"
     assert bundle.existing_bundle(tmp_path)
+
+
+def test_every_committed_results_file_names_its_schema() -> None:
+    """Every JSON record under results/ says which kit file it is and which version;
+    the model configs a bundle keeps (tiny-*/config.json) and raw.json (a list of
+    rows, described by its bench.json) are not kit records."""
+    root = Path(__file__).resolve().parents[1] / "results"
+    checked, missing = 0, []
+    for path in sorted(root.rglob("*.json")):
+        if path.name == "raw.json" or any(p.startswith("tiny-") for p in path.parts):
+            continue
+        found = json.loads(path.read_text()).get(schema.KEY)
+        checked += 1
+        if not (isinstance(found, dict) and found.get("name") in schema.VERSIONS):
+            missing.append(str(path.relative_to(root)))
+    assert checked > 20 and not missing, missing

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from kit import bundle
+from kit import bundle, schema
 from kit.vllm_tree import mods, pins, trees
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     data = record(args.target, args.stage)
     if args.stage == "patched" and not data["mods"]:
         parser.exit(1, "error: patched stage but no mods recorded beside vllm\n")
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    args.out.write_text(json.dumps(schema.stamp("image-record", data), indent=1) + "\n")
     print(json.dumps(data))
     return 0
 

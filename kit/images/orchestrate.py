@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kit import bundle
+from kit import bundle, schema
 from kit.bench import serve_args
 from kit.images import build as images
 from kit.images import buildah_build, hostcheck
@@ -215,6 +215,16 @@ def memory_fit(model: models.Entry, mem_total_gib: float | None) -> str | None:
 # 4. suites inside both images -------------------------------------------------------
 
 
+def _stamped(name: str, path: Path) -> dict:
+    """A record the suites wrote, checked and without its schema; {} when the suites
+    wrote none (they failed first: their exit status says so)."""
+    data = bundle.read_json(path)
+    try:
+        return schema.unstamp(name, data, path) if data else {}
+    except schema.SchemaError as exc:
+        raise OrchestrateError(f"{exc} (an image built by another kit: rebuild it)") from exc
+
+
 def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path) -> dict:
     spec = RUN_SPECS[target]  # network cut off
     outs = {}
@@ -239,8 +249,8 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
         for stage, code in codes.items()
         if code != 0
     ]
-    records = {s: bundle.read_json(outs[s] / bundle.IMAGE_RECORD) for s in STAGES}
-    measured = {s: bundle.read_json(outs[s] / "regress.json") for s in STAGES}
+    records = {s: _stamped("image-record", outs[s] / bundle.IMAGE_RECORD) for s in STAGES}
+    measured = {s: _stamped("regress-measure", outs[s] / "regress.json") for s in STAGES}
     summary: dict = {
         "regression_suite": {
             s: upstream_suite.counts(outs[s] / "regression-suite.xml") for s in STAGES

@@ -48,6 +48,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kit import schema
+
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_SIDE = ROOT / "kit" / "rig" / "kernel_check_triton.py"
 DEFAULT_OUT = ROOT / "results" / "kernel-check.json"
@@ -649,7 +651,7 @@ def run(
     else:
         result["kernels"] = _shown(kernels)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(schema.stamp("kernel-check", result), indent=1) + "\n")
     return result
 
 

@@ -18,6 +18,7 @@ from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kit import schema
 from kit.geometry.geometry_cases import all_cases
 from kit.geometry.geometry_model import Case, expected, lookahead_ideal
 from kit.vllm_tree import pins, trees
@@ -81,7 +82,7 @@ def measure_on(
         cmd += ["--fix"] if fix else []
         cmd += ["--legacy-hashes"] if legacy_hashes else []
         subprocess.run(cmd, check=True, env=tree.env(VLLM_LOGGING_LEVEL="ERROR"), cwd=ROOT)
-        data = json.loads(Path(out.name).read_text())
+        data = schema.unstamp("regress-measure", json.loads(Path(out.name).read_text()), out.name)
     if not data["vllm_file"].startswith(str(tree.package)):
         raise RuntimeError(f"{tree}: measured {data['vllm_file']}, not this tree")
     data["mods_record"] = tree.mods_record()

@@ -17,7 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from kit import bundle
+from kit import bundle, schema
 from kit.geometry.geometry_model import REGIMES
 from kit.rig.regress import (
     COLUMNS,
@@ -61,11 +61,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "measure":
         args.out.write_text(
             json.dumps(
-                measure(
-                    args.model_dir,
-                    args.fix,
-                    lookahead_hashes=not args.legacy_hashes,
-                    checkpoints=args.checkpoints,
+                schema.stamp(
+                    "regress-measure",
+                    measure(
+                        args.model_dir,
+                        args.fix,
+                        lookahead_hashes=not args.legacy_hashes,
+                        checkpoints=args.checkpoints,
+                    ),
                 )
             )
         )
