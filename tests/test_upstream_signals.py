@@ -45,10 +45,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_ends_both_runs_and_keeps_the_committed_logs(
-    tmp_path: Path, monkeypatch, sig: signal.Signals, code: int
+    tmp_path: Path, monkeypatch, sig: signal.Signals, code: int, inherited: str
 ) -> None:
+    """``inherited``: how the runner's parent left SIGINT. A background job of a script
+    starts with it ignored, and a runner that relied on Python's own Ctrl-C handling
+    then never stopped (a CI run hung here)."""
     tests_dir, package, out, state = (tmp_path / n for n in ("t", "vllm", "out", "state"))
     suite = tests_dir / "tests/v1/core/prefix_cache"
     for folder in (suite, package, out, state):
@@ -62,8 +66,10 @@ def test_a_signal_ends_both_runs_and_keeps_the_committed_logs(
             path.write_text(f"the committed {name} {suffix}\n")
             committed[path] = path.read_text()
     monkeypatch.setenv("KIT_TEST_STATE", str(state))
+    ignore = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     proc = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(tests_dir), str(package), str(out)],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, ignore),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -70,8 +70,17 @@ class Stopped(BaseException):
     """SIGTERM: stop the pytest runs (their whole process groups) and keep the old logs."""
 
 
+# Both handled explicitly: Python turns SIGINT into KeyboardInterrupt only when the
+# process did not start with SIGINT ignored, and a background job of a shell without
+# job control (``cmd &`` in a script, nohup) starts that way.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _stop(signum: int, _frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Stopped(signal.Signals(signum).name)
 
 
@@ -121,7 +130,7 @@ def start_suite(
 def run_suites(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
     """Wait for every run; on SIGTERM or Ctrl-C stop every run's process group (pytest
     and whatever it started) and drop the partial files, then re-raise."""
-    previous = signal.signal(signal.SIGTERM, _stop)
+    previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
     try:
         for proc, _ in runs.values():
             proc.wait()
@@ -133,7 +142,8 @@ def run_suites(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
                 path.unlink(missing_ok=True)
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def commit_outputs(out_dir: Path, names: list[str]) -> dict[str, Path]:
