@@ -123,7 +123,10 @@ IMAGE_OPTS = $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm 
 ORCH = $(VENV_PY) -m kit.images.orchestrate --engine $(ENGINE) $(if $(MODEL),--model $(MODEL)) \
   $(IMAGE_OPTS) $(if $(filter 1,$(DRY_RUN)),--dry-run) \
   $(if $(HOST_RECORD),--recorded-host $(HOST_RECORD))
-ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED)) $(CHECKPOINT_OPT)
+# var ONE_SERVER: ONE_SERVER=1: the flow's servers one at a time, the trees in alternating blocks (chosen by itself where two do not fit)
+# var BLOCK_REPS: repetitions per block with one server at a time (default 2)
+ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED)) $(CHECKPOINT_OPT) \
+  $(if $(filter 1,$(ONE_SERVER)),--one-server) $(if $(BLOCK_REPS),--block-reps $(BLOCK_REPS))
 
 bench-gb10: setup-host ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
 	$(ORCH) gb10 $(ORCH_BENCH)

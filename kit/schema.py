@@ -16,6 +16,7 @@ VERSIONS = {
     # geometry "checkpoints", every raw.json row's "path"), bootstrap intervals of
     # the ratios, pooled ratios.
     "bench": 2,
+    "bench-session": 1,  # session.json: one tree's repetitions on one server alone
     "bench-failed": 1,  # failed.json: why a bench run left no bench.json
     "manifest": 1,  # manifest.json: the container flow
     "regression": 1,  # regression.json: the scheduler-level tables

@@ -6,7 +6,9 @@
 its pid to ``DIR/pids``; with ``--hang`` a completion writes ``DIR/requesting`` and
 never answers (a bench caught mid-request); with ``--never-healthy`` /health
 answers 503 (a bench caught during start-up). The children outlive their parent
-unless someone signals the group, as vLLM's engine processes do.
+unless someone signals the group, as vLLM's engine processes do. A server that
+starts while a process of another server (a sibling folder of DIR) is alive writes
+``DIR/overlap``: a one-server-at-a-time run must leave none.
 """
 
 from __future__ import annotations
@@ -35,6 +37,26 @@ def note_pid(state: Path, pid: int) -> None:
         f.write(f"{pid}\n")
 
 
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def note_overlap(state: Path) -> None:
+    others = [
+        int(pid)
+        for folder in state.parent.iterdir()
+        if folder != state and (folder / "pids").is_file()
+        for pid in (folder / "pids").read_text().split()
+    ]
+    running = [pid for pid in others if alive(pid)]
+    if running:
+        (state / "overlap").write_text(" ".join(map(str, running)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
@@ -49,6 +71,7 @@ def main() -> None:
     import os
 
     note_pid(args.state, os.getpid())
+    note_overlap(args.state)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a: object) -> None:

@@ -277,6 +277,26 @@ def test_dry_run_with_resolved_pins_prints_the_exact_commands(
     assert out.count("wait until its log says") == 2
 
 
+def test_a_one_server_dry_run_prints_every_session(resolved: dict, capsys) -> None:
+    argv = ["gb10", "--dry-run", "--recorded-host", str(HOSTS / "gb10-ok"), "--one-server"]
+    code = orchestrate.main([*argv, "--reps", "3", "--block-reps", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    # Sessions U[0,1] P[0,1,2] U[2]: three servers, each followed by its client and
+    # removed before the next starts, then the merge.
+    runs = [line for line in out.splitlines() if line.startswith(("+ docker run", "+ docker rm"))]
+    kinds = [
+        "server" if " run -d " in line else "remove" if " rm " in line else "client"
+        for line in runs
+    ]
+    assert kinds == ["server", "client", "remove"] * 3 + ["client"]
+    assert all(":/out" in line for line, kind in zip(runs, kinds, strict=True) if kind == "client")
+    assert out.count("--serve-only") == 3
+    for session in ("unpatched:0,1", "patched:0,1,2", "unpatched:2"):
+        assert f"--session {session}" in out
+    assert "--merge-sessions /out/sessions/01-unpatched /out/sessions/02-patched" in out
+
+
 def test_dry_run_stops_at_a_failing_recorded_host(resolved: dict, capsys) -> None:
     code = orchestrate.main(["strix", "--dry-run", "--recorded-host", str(HOSTS / "strix-no-kfd")])
     assert code == 2

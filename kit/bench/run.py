@@ -13,6 +13,9 @@ instead).
 Isolation: every repetition uses a fresh context (new token ids), so one
 repetition cannot warm the next. Servers are interleaved A B A B … with the
 order swapped every repetition; one warm-up repetition is excluded.
+``--one-server``: one server at a time, the trees in alternating blocks of
+repetitions (A B B A; ``kit/bench/one_server.py``), for a box that cannot hold
+two servers of the model.
 No pass/fail threshold on TTFT: the report gives medians, spread and ratios
 (patched/unpatched per repetition: median, min-max and a seeded 95 % bootstrap
 interval of the median, per request kind and S, and pooled: later turns, cold A,
@@ -45,7 +48,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kit import bundle
-from kit.bench import oracle
+from kit.bench import one_server, oracle
 from kit.bench.openai_client import MetricsError, RequestError
 from kit.bench.serve import Server, ServerError, server_command, server_env, wait_healthy
 from kit.bench.serve_args import (
@@ -67,7 +70,10 @@ from kit.bench.ttft import (
     TREES,
     TURN_LEN,
     MeasureError,
+    geometry_from,
     interleaved,
+    one_tree,
+    reported_geometry,
     served_geometry,
 )
 from kit.bench.ttft_stats import (
@@ -186,6 +192,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "instead of starting them",
     )
     parser.add_argument(
+        "--one-server",
+        action="store_true",
+        help="one server at a time: the trees in alternating blocks of repetitions "
+        "(A B B A), for a box that cannot hold two servers of the model",
+    )
+    parser.add_argument(
+        "--block-reps",
+        type=positive_int,
+        default=one_server.DEFAULT_BLOCK_REPS,
+        help="with --one-server: repetitions per block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--session",
+        metavar="TREE:REPS",
+        help="(the container flow's one-server mode) measure these repetitions on the one "
+        "--server-url TREE=URL and write a session record into --out, no bundle",
+    )
+    parser.add_argument(
+        "--merge-sessions",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="(the container flow's one-server mode) make the bundle in --out from the "
+        "session records in these folders; starts no server",
+    )
+    parser.add_argument(
         "--record-only",
         action="store_true",
         help="record hit and oracle failures in the bundle and exit 0 (default: exit 1)",
@@ -239,8 +271,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [url for url in external.values() if not url.startswith(("http://", "https://"))]
     if bad:
         parser.error(f"--server-url {bad[0]!r}: not an http:// or https:// URL")
-    if external and set(external) != set(TREES):
+    if args.session:
+        try:
+            args.session = one_server.parse_session(args.session, args.reps)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if set(external) != {args.session[0]} or args.out is None:
+            parser.error(
+                f"--session {args.session[0]}:... measures one running server: give "
+                f"--server-url {args.session[0]}=URL (only that one) and --out"
+            )
+    elif external and set(external) != set(TREES):
         parser.error("--server-url needs both unpatched=URL and patched=URL")
+    modes = [m for m in ("one_server", "session", "merge_sessions") if getattr(args, m)]
+    if len(modes) > 1 or (args.one_server or args.merge_sessions) and external:
+        parser.error(
+            "--one-server starts its servers itself; --session measures one running server; "
+            "--merge-sessions starts none: give one of them, and --server-url only with "
+            "--session"
+        )
+    if args.merge_sessions and args.out is None:
+        parser.error("--merge-sessions needs --out: the bundle folder to write")
     args.external = external
     if args.model and args.arch:
         parser.error(
@@ -316,15 +367,21 @@ def start_servers(
     env: dict,
     out: Path,
     pinned: dict[str, trees.Tree] | None = None,
+    which: tuple[str, ...] = TREES,
+    log_tag: str = "",
+    start: bool = True,
 ) -> dict[str, Server]:
-    """Both servers up (or, with --server-url, both reachable); each one's stop is
-    registered before any starts, so a failure never leaves the other running.
+    """The servers of the trees in ``which`` (default both) up (or, with
+    --server-url, reachable); each one's stop is registered before any starts, so a
+    failure never leaves the other running. ``start=False``: the records only
+    (merging one-server sessions). ``log_tag`` tells one server session's log from
+    another's.
 
     A tiny model whose vLLM code needs more than the tree (``tiny_model.serve_env``:
     the torchvision stand-in of Qwen3.5/3.6) gets it in a folder of this run's,
     removed when the run ends."""
     if pinned is None:
-        pinned = {} if args.external else {tree: trees.pinned(tree) for tree in TREES}
+        pinned = {} if args.external else {tree: trees.pinned(tree) for tree in which}
     arch_env = {tree: {} for tree in TREES}
     if pinned and args.arch != "qwen3_next":
         scratch = Path(tempfile.mkdtemp(prefix="kit-bench-"))
@@ -336,7 +393,7 @@ def start_servers(
         tree: Server(
             tree,
             base + (patched_extra if tree == "patched" else []),
-            out / bundle.LOGS / f"server-{tree}.log",
+            out / bundle.LOGS / f"server-{tree}{log_tag}.log",
             tree=pinned.get(tree),
             # One compile cache per tree: the two servers start at once, and one
             # tree's compiled artifacts should never be what the other runs.
@@ -348,16 +405,18 @@ def start_servers(
             startup_timeout=args.startup_timeout,
             url_override=args.external[tree].rstrip("/") if args.external else None,
         )
-        for tree in TREES
+        for tree in which
     }
+    if not start:
+        return servers
     if args.external:
         for tree, server in servers.items():
             wait_healthy(server.url, args.startup_timeout, name=tree)
         return servers
-    print(f"starting both servers (logs in {out / bundle.LOGS})", flush=True)
+    print(f"starting {' and '.join(which)} (logs in {out / bundle.LOGS})", flush=True)
     for server in servers.values():
         stack.callback(server.stop)
-    pool = ThreadPoolExecutor(max_workers=2)
+    pool = ThreadPoolExecutor(max_workers=len(servers))
     try:
         for future in [pool.submit(s.start) for s in servers.values()]:
             future.result()
@@ -401,6 +460,18 @@ def model_label(record: dict) -> str:
     return f"tiny {record.get('arch', 'qwen3_next')} (CPU default)"
 
 
+def servers_line(schedule: dict | None) -> str:
+    if not schedule:
+        return "Servers: both at once, the trees interleaved per repetition (A B, then B A)."
+    sessions = " ".join(
+        f"{s['tree']}[{','.join(map(str, s['reps']))}]" for s in schedule["sessions"]
+    )
+    return (
+        f"Servers: one at a time, blocks of {schedule['block_reps']} repetitions in A B B A "
+        f"order; sessions (tree[repetitions], one server start each): {sessions}."
+    )
+
+
 def markdown(report: dict) -> str:
     from tabulate import tabulate
 
@@ -421,6 +492,8 @@ def markdown(report: dict) -> str:
             f"Checkpoint path: **{report['path']}** (geometry regime {geo['checkpoints']}; "
             f"step budget {geo['budget']}; block {geo['block']}, H {geo['unit']}, "
             f"MTP k={geo['num_spec']}; {env or 'no checkpoint variable'}).",
+            "",
+            servers_line(report.get("one_server")),
             "",
             tabulate(body, headers=headers, tablefmt="github"),
             "",
@@ -513,6 +586,74 @@ def _give_up(out: Path, chosen: bool, reason: str, status: str) -> Path:
     return out
 
 
+def check_block(args: argparse.Namespace, geo) -> None:
+    if not args.model and geo.block != args.block:
+        raise MeasureError(
+            f"vLLM resolved the block to {geo.block} tokens, not the {args.block} "
+            "asked for (its Mamba page did not fit the attention page); the expected "
+            "hits would be wrong. Check --mamba-ssm-cache-dtype."
+        )
+
+
+def run_sessions(
+    args: argparse.Namespace,
+    out: Path,
+    base: list[str],
+    patched_extra: list[str],
+    env: dict,
+    pinned: dict[str, trees.Tree],
+    plan: list[tuple[str, tuple[int, ...]]],
+    num_spec: int,
+    budget: int,
+    progress,
+) -> tuple[list[dict], object, dict[str, Server]]:
+    """``--one-server``: each session's server started alone, measured, stopped before
+    the next starts (``kit.bench.one_server``)."""
+    records, last = [], {}
+    for index, (tree, reps) in enumerate(plan):
+        print(f"session {index + 1}/{len(plan)}: {tree}, repetitions {list(reps)}", flush=True)
+        with ExitStack() as stack:
+            server = start_servers(
+                stack, args, base, patched_extra, env, out, pinned, (tree,), f"-{index + 1}"
+            )[tree]
+            reported = reported_geometry(server)
+            geo = geometry_from(reported, num_spec, budget, PATH_REGIME[args.checkpoints])
+            check_block(args, geo)
+            rows = one_tree(server, tree, geo, reps, args.shared, args.tolerance, progress)
+        records.append(one_server.record(tree, reps, args.shared, reported, rows, {}))
+        last[tree] = server
+    rows, _ = one_server.merge(records, args.reps, args.shared)
+    return rows, geo, last
+
+
+def measure_session(
+    args: argparse.Namespace,
+    out: Path,
+    base: list[str],
+    patched_extra: list[str],
+    env: dict,
+    num_spec: int,
+    budget: int,
+    progress,
+) -> int:
+    """``--session TREE:REPS``: one running server, these repetitions, a session record."""
+    tree, reps = args.session
+    with ExitStack() as stack:
+        server = start_servers(stack, args, base, patched_extra, env, out, {}, (tree,))[tree]
+        reported = reported_geometry(server)
+        geo = geometry_from(reported, num_spec, budget, PATH_REGIME[args.checkpoints])
+        check_block(args, geo)
+        rows = one_tree(server, tree, geo, reps, args.shared, args.tolerance, progress)
+    path = one_server.write(
+        out,
+        one_server.record(
+            tree, reps, args.shared, reported, rows, {"url": server.url, "args": server.args}
+        ),
+    )
+    print(f"session record: {path}")
+    return 0
+
+
 def run(
     args: argparse.Namespace,
     out: Path,
@@ -529,25 +670,36 @@ def run(
     if not args.model:  # the config; the weights stay out
         write_tiny_model(out / DIR_NAMES[args.arch], arch=args.arch)
     budget = batched_tokens(base)
-    pinned = {} if args.external else {tree: trees.pinned(tree) for tree in TREES}
+    regime = PATH_REGIME[args.checkpoints]
+    external = args.external or args.merge_sessions
+    pinned = {} if external else {tree: trees.pinned(tree) for tree in TREES}
     tree_records = {tree: found.mods_record() for tree, found in pinned.items()}
-    with ExitStack() as stack:
-        servers = start_servers(stack, args, base, patched_extra, env, out, pinned)
-        geo = served_geometry(servers, num_spec, budget, PATH_REGIME[args.checkpoints])
-        if not args.model and geo.block != args.block:
-            raise MeasureError(
-                f"vLLM resolved the block to {geo.block} tokens, not the {args.block} "
-                "asked for (its Mamba page did not fit the attention page); the expected "
-                "hits would be wrong. Check --mamba-ssm-cache-dtype."
-            )
-        rows = interleaved(
-            servers,
-            geo,
-            args.reps,
-            args.shared,
-            args.tolerance,
-            progress=lambda work: tqdm(work, desc="repetitions x geometries", unit="pair"),
+    progress = lambda work: tqdm(work, desc="repetitions x geometries", unit="pair")  # noqa: E731
+    schedule = None
+    if args.session:
+        return measure_session(args, out, base, patched_extra, env, num_spec, budget, progress)
+    if args.merge_sessions:
+        records = one_server.read(args.merge_sessions)
+        rows, reported = one_server.merge(records, args.reps, args.shared)
+        geo = geometry_from(reported, num_spec, budget, regime)
+        args.external = {r["tree"]: r["server"]["url"] for r in records}
+        with ExitStack() as stack:
+            servers = start_servers(stack, args, base, patched_extra, env, out, {}, start=False)
+        schedule = one_server.schedule_record(
+            args.block_reps, [(r["tree"], tuple(r["reps"])) for r in records]
         )
+    elif args.one_server:
+        plan = one_server.sessions(args.reps, args.block_reps)
+        rows, geo, servers = run_sessions(
+            args, out, base, patched_extra, env, pinned, plan, num_spec, budget, progress
+        )
+        schedule = one_server.schedule_record(args.block_reps, plan)
+    else:
+        with ExitStack() as stack:
+            servers = start_servers(stack, args, base, patched_extra, env, out, pinned)
+            geo = served_geometry(servers, num_spec, budget, regime)
+            check_block(args, geo)
+            rows = interleaved(servers, geo, args.reps, args.shared, args.tolerance, progress)
     summary = summarize(rows)
     report = {
         "question": "cached follow-up TTFT, unpatched vs patched (fix-eagle-fine-prefix)",
@@ -577,6 +729,8 @@ def run(
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers, tree_records),
     }
+    if schedule is not None:
+        report["one_server"] = schedule
     # The environment that ran the servers: started here, this one; in images,
     # the client's (the same image as the patched server).
     report["run"]["environment"] = bundle.record_environment(out)

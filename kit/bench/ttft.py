@@ -132,24 +132,25 @@ def tag_path(rows: list[dict], geo: Geometry) -> list[dict]:
     return rows
 
 
+def reported_geometry(server: Server) -> dict:
+    """The cache geometry a server reports (``vllm:cache_config_info``)."""
+    with naming(server):
+        return cache_config_info(server.url)
+
+
+def geometry_from(reported: dict, num_spec: int, budget: int, checkpoints: str) -> Geometry:
+    return Geometry(reported["block"], reported["unit"], num_spec, budget, checkpoints=checkpoints)
+
+
 def served_geometry(
     servers: dict[str, Server], num_spec: int, budget: int, checkpoints: str = "split"
 ) -> Geometry:
     """The geometry the expectations use: the one both servers report, with the step
     budget and checkpoint regime (``Geometry.checkpoints``) they were started with."""
-    reported = {}
-    for tree, server in servers.items():
-        with naming(server):
-            reported[tree] = cache_config_info(server.url)
+    reported = {tree: reported_geometry(server) for tree, server in servers.items()}
     if reported["unpatched"] != reported["patched"]:
         raise MeasureError(f"the two servers' cache geometry differs: {reported}")
-    return Geometry(
-        reported["patched"]["block"],
-        reported["patched"]["unit"],
-        num_spec,
-        budget,
-        checkpoints=checkpoints,
-    )
+    return geometry_from(reported["patched"], num_spec, budget, checkpoints)
 
 
 class MeasureError(RuntimeError):
@@ -181,14 +182,41 @@ def interleaved(
     for rep, s in progress(work):
         order = TREES if rep % 2 == 0 else TREES[::-1]
         for tree in order:
-            # vLLM's worker busy-polls for 1 s after its last request: on a
-            # small machine the server that just finished would steal CPU
-            # from the other one's first requests (patched cold A, with its
-            # extra steps, measured 3x slower that way; alone, 1.1x).
-            time.sleep(IDLE_GAP_S)
-            with naming(servers[tree]):
-                pair = run_pair(servers[tree], tree, rep, s, geo, tolerance)
-                conv = run_conversation(servers[tree], tree, rep, s, geo)
+            got = measure_rep(servers[tree], tree, rep, s, geo, tolerance)
             if rep >= 0:
-                rows += pair + conv
+                rows += got
+    return rows
+
+
+def measure_rep(
+    server: Server, tree: str, rep: int, shared: int, geo: Geometry, tolerance: float
+) -> list[dict]:
+    """One repetition at one S on one server: the A/B pair and the conversation."""
+    # vLLM's worker busy-polls for 1 s after its last request: on a small machine
+    # the server that just finished would steal CPU from the other one's first
+    # requests (patched cold A, with its extra steps, measured 3x slower that way;
+    # alone, 1.1x).
+    time.sleep(IDLE_GAP_S)
+    with naming(server):
+        return run_pair(server, tree, rep, shared, geo, tolerance) + run_conversation(
+            server, tree, rep, shared, geo
+        )
+
+
+def one_tree(
+    server: Server,
+    tree: str,
+    geo: Geometry,
+    reps: tuple[int, ...],
+    shared: list[int],
+    tolerance: float,
+    progress=lambda work: work,
+) -> list[dict]:
+    """Some repetitions on one server alone (``kit.bench.one_server``): a warm-up
+    repetition (-1, not returned) at every S first, as the interleaved run has."""
+    rows: list[dict] = []
+    for rep, s in progress([(rep, s) for rep in (-1, *reps) for s in shared]):
+        got = measure_rep(server, tree, rep, s, geo, tolerance)
+        if rep >= 0:
+            rows += got
     return rows

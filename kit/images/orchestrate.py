@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kit import bundle, schema
-from kit.bench import serve_args
+from kit.bench import one_server, serve_args
 from kit.images import build as images
 from kit.images import buildah_build, hostcheck
 from kit.images.containers import (
@@ -188,12 +188,10 @@ def bench_model(target: str, key: str | None, store: Path) -> models.Entry | Non
     return chosen[0]
 
 
-def memory_fit(model: models.Entry, mem_total_gib: float | None) -> str | None:
-    """Why two servers of ``model`` do not fit the box together, or None when they do.
-
-    Both trees serve at once: twice the weights (the locked files' sizes), twice the
-    KV cache the entry sizes in bytes, and a per-server allowance for activations,
-    CUDA/HIP graphs and the runtime."""
+def memory_fit(model: models.Entry, mem_total_gib: float | None, servers: int = 2) -> str | None:
+    """Why ``servers`` servers of ``model`` do not fit the box together, or None when
+    they do: per server the weights (the locked files' sizes), the KV cache the entry
+    sizes in bytes, and an allowance for activations, CUDA/HIP graphs and the runtime."""
     if mem_total_gib is None or not model.files:
         return None
     weights = sum(f.size for f in model.files if f.path.endswith(".safetensors")) / hostcheck.GIB
@@ -201,15 +199,36 @@ def memory_fit(model: models.Entry, mem_total_gib: float | None) -> str | None:
     kv = 0.0
     if "--kv-cache-memory-bytes" in args:
         kv = int(args[args.index("--kv-cache-memory-bytes") + 1]) / hostcheck.GIB
-    need = 2 * (weights + kv + SERVER_OVERHEAD_GIB)
+    need = servers * (weights + kv + SERVER_OVERHEAD_GIB)
     if need <= mem_total_gib * USABLE_MEMORY_FRACTION:
         return None
     return (
-        f"two {model.key} servers need about {need:.0f} GiB (2 x ({weights:.0f} GiB weights + "
-        f"{kv:.0f} GiB KV cache + {SERVER_OVERHEAD_GIB} GiB runtime)); this box has "
-        f"{mem_total_gib:.0f} GiB, of which about {USABLE_MEMORY_FRACTION:.0%} is usable. "
+        f"{'two' if servers == 2 else 'one'} {model.key} server{'s' if servers == 2 else ''} "
+        f"need{'' if servers == 2 else 's'} about {need:.0f} GiB ({servers} x ({weights:.0f} "
+        f"GiB weights + {kv:.0f} GiB KV cache + {SERVER_OVERHEAD_GIB} GiB runtime)); this box "
+        f"has {mem_total_gib:.0f} GiB, of which about {USABLE_MEMORY_FRACTION:.0%} is usable. "
         "Pass MODEL=<a smaller enabled entry> (see README: the Strix Halo plan)"
     )
+
+
+def choose_servers(plan: argparse.Namespace, model: models.Entry | None, mem: float | None) -> None:
+    """Both servers at once where they fit; else one at a time (``plan.one_server``:
+    the trees in alternating blocks, ``kit.bench.one_server``) where one fits; else
+    a PlanError naming the sizes."""
+    if model is None:
+        return
+    if not plan.one_server and memory_fit(model, mem, 2) is None:
+        return
+    problem = memory_fit(model, mem, 1)
+    if problem:
+        raise PlanError(problem)
+    if not plan.one_server:
+        log(
+            f"{memory_fit(model, mem, 2)}\n  -> one server at a time instead: the trees in "
+            f"alternating blocks of {plan.block_reps} repetitions (ONE_SERVER=1 does this "
+            "on any box)"
+        )
+        plan.one_server = True
 
 
 # 4. suites inside both images -------------------------------------------------------
@@ -347,15 +366,14 @@ def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
     both servers and the client: the client hashes the very files the servers
     load into the bundle."""
     spec = RUN_SPECS[plan.target]
-    if model is not None:
-        mounts: tuple[Mount, ...] = (Mount(str(plan.store), IN_IMAGE_MODELS),)
-    else:
-        tiny = write_tiny_model(ROOT / ".models" / bundle.TINY_MODEL, weights=True)
-        mounts = (Mount(str(tiny), IN_IMAGE_TINY),)
+    mounts = model_mounts(plan, model)
     commands = {}
     _writable(out)
     logs = out / bundle.LOGS
     logs.mkdir(exist_ok=True)
+    if plan.one_server:
+        code = run_bench_one_server(engine, found, plan, model, out, mounts, commands)
+        return code, {"commands": commands}
     with engine.network() as net:
         servers = {}
         for stage in STAGES:
@@ -400,6 +418,78 @@ def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
                 server.stop()
                 (logs / f"server-{stage}.log").write_text(server.logs())
     return code, {"commands": commands}
+
+
+def model_mounts(plan: argparse.Namespace, model) -> tuple[Mount, ...]:
+    if model is not None:
+        return (Mount(str(plan.store), IN_IMAGE_MODELS),)
+    tiny = write_tiny_model(ROOT / ".models" / bundle.TINY_MODEL, weights=True)
+    return (Mount(str(tiny), IN_IMAGE_TINY),)
+
+
+def run_bench_one_server(
+    engine, found: dict, plan, model, out: Path, mounts, commands: dict
+) -> int:
+    """The trees one after the other in alternating blocks (``kit.bench.one_server``):
+    per session one server container and a client that measures that session's
+    repetitions into a session record; then a client that makes the bundle from the
+    records. Returns the exit status of the first client that failed, else the merge's."""
+    spec = RUN_SPECS[plan.target]
+    logs = out / bundle.LOGS
+    out_mount = Mount(str(out), IN_IMAGE_OUT, writable=True)
+    folders = []
+    with engine.network() as net:
+        for index, (stage, reps) in enumerate(one_server.sessions(plan.reps, plan.block_reps), 1):
+            name = f"{net.name}-{stage}-{index}"
+            log(f"session {index}: the {stage} server alone, repetitions {list(reps)}")
+            cache = compile_cache(plan.target, found[stage]["id"])
+            commands[f"server-{stage}"] = server_command(plan, model, stage)
+            server = engine.start(
+                found[stage]["ref"],
+                server_command(plan, model, stage),
+                with_compile_cache(spec),
+                name,
+                (*mounts, Mount(str(cache), IN_IMAGE_CACHE, writable=True)),
+                net,
+            )
+            folder = session_folder(index, stage)
+            folders.append(folder)
+            try:
+                wait_ready(server, stage)
+                url = f"http://{net.address(name)}:{PORTS[stage]}"
+                client = session_client(plan, model, stage, reps, url, folder)
+                commands[f"client-session-{index}"] = client
+                box = engine.start(
+                    found["patched"]["ref"],
+                    client,
+                    spec,
+                    f"{net.name}-client-{index}",
+                    (*mounts, out_mount),
+                    net,
+                )
+                try:
+                    code = _watch(box, {stage: server})
+                finally:
+                    (logs / f"bench-client-{index}.log").write_text(box.logs())
+            finally:
+                server.stop()
+                (logs / f"server-{stage}-{index}.log").write_text(server.logs())
+            if code != 0:
+                return code
+        log("one-server sessions done: the bundle from their records")
+        commands["client"] = merge_client(plan, model, folders)
+        box = engine.start(
+            found["patched"]["ref"],
+            commands["client"],
+            spec,
+            f"{net.name}-merge",
+            (*mounts, out_mount),
+            net,
+        )
+        try:
+            return _watch(box, {})
+        finally:
+            (logs / "bench-client.log").write_text(box.logs())
 
 
 def _watch(client, servers: dict) -> int:
@@ -484,10 +574,7 @@ def run(plan: argparse.Namespace) -> Path:
     if plan.target != "cpu":
         refuse_unresolved(unresolved_pins(plan))
     model = bench_model(plan.target, plan.model, plan.store)
-    if model is not None:
-        problem = memory_fit(model, host["record"].get("mem_total_gib"))
-        if problem:
-            raise PlanError(problem)
+    choose_servers(plan, model, host["record"].get("mem_total_gib"))
     if plan.vllm:
         # Refuse early what cannot be built (the cpu image has no later release).
         images.build_args(plan.target, plan.vllm)
@@ -591,9 +678,7 @@ def dry_run(plan: argparse.Namespace) -> int:
         ]
         model = chosen[0] if chosen else None
         mem = hostcheck.host_record(probe or hostcheck.Probe()).get("mem_total_gib")
-        problem = memory_fit(model, mem) if model else None
-        if problem:
-            raise PlanError(problem)
+        choose_servers(plan, model, mem)
         keys = " ".join(e.key for e in chosen)
         print(
             f"+ {sys.executable} -m kit.weights.models verify --model {keys} --store {plan.store}"
@@ -606,9 +691,64 @@ def dry_run(plan: argparse.Namespace) -> int:
         docker = ["docker", "run", "-d", "--name", f"kit-{stage}", "--network", "kit-net"]
         docker += [f for f in with_compile_cache(spec).cli_flags() if f != "--network=none"]
         docker += [a for v in volumes for a in ("-v", v)]
+        if plan.one_server:
+            continue
         print("+", shlex.join([*docker, ref, *server_command(plan, model, stage)]), flush=True)
         print(f"  (wait until its log says '{READY_LINE}' before the next)", flush=True)
+    if plan.one_server:
+        print_one_server_plan(plan, model, spec)
     return 0
+
+
+def print_one_server_plan(plan: argparse.Namespace, model, spec: RunSpec) -> None:
+    """The dry run's one-server part: each session's server and client, then the merge."""
+    sessions = one_server.sessions(plan.reps, plan.block_reps)
+    log(
+        f"one server at a time: {len(sessions)} sessions over {plan.reps} repetitions in "
+        f"blocks of {plan.block_reps} (A B B A)"
+    )
+    folders = []
+    client_ref = images.image_tag(plan.target, "patched", plan.vllm, plan.arch)
+    volumes = [f"{plan.store}:{IN_IMAGE_MODELS}:ro"] if model else []
+    out = f"{plan.out or f'results/<date>-{plan.target}-<id>'}:{IN_IMAGE_OUT}"
+    for index, (stage, reps) in enumerate(sessions, 1):
+        ref = images.image_tag(plan.target, stage, plan.vllm, plan.arch)
+        name = f"kit-{stage}-{index}"
+        docker = ["docker", "run", "-d", "--name", name, "--network", "kit-net"]
+        docker += [f for f in with_compile_cache(spec).cli_flags() if f != "--network=none"]
+        cache = f"{COMPILE_CACHES}/{plan.target}-<image id>:{IN_IMAGE_CACHE}"
+        docker += [a for v in (*volumes, cache) for a in ("-v", v)]
+        print("+", shlex.join([*docker, ref, *server_command(plan, model, stage)]), flush=True)
+        print(f"  (wait until its log says '{READY_LINE}')", flush=True)
+        folder = session_folder(index, stage)
+        folders.append(folder)
+        client = session_client(plan, model, stage, reps, f"http://{name}:{PORTS[stage]}", folder)
+        run = ["docker", "run", "--rm", "--network", "kit-net"]
+        run += [a for v in (*volumes, out) for a in ("-v", v)]
+        print("+", shlex.join([*run, client_ref, *client]))
+        print(f"+ docker rm -f {name}", flush=True)
+    merge = ["docker", "run", "--rm", *(a for v in (*volumes, out) for a in ("-v", v))]
+    print("+", shlex.join([*merge, client_ref, *merge_client(plan, model, folders)]))
+
+
+def session_folder(index: int, stage: str) -> str:
+    return f"{IN_IMAGE_OUT}/sessions/{index:02d}-{stage}"
+
+
+def session_client(
+    plan: argparse.Namespace, model, stage: str, reps: tuple[int, ...], url: str, folder: str
+) -> list[str]:
+    client = ["python", "-m", "kit.bench.run", "--out", folder, "--reps", str(plan.reps)]
+    client += ["--server-url", f"{stage}={url}", "--session", f"{stage}:{','.join(map(str, reps))}"]
+    client += ["--shared", *map(str, plan.shared)] if plan.shared else []
+    return client + bench_args(plan, model)
+
+
+def merge_client(plan: argparse.Namespace, model, folders: list[str]) -> list[str]:
+    client = ["python", "-m", "kit.bench.run", "--out", IN_IMAGE_OUT, "--reps", str(plan.reps)]
+    client += ["--block-reps", str(plan.block_reps), "--merge-sessions", *folders]
+    client += ["--shared", *map(str, plan.shared)] if plan.shared else []
+    return client + bench_args(plan, model)
 
 
 def attach_image_records(out: Path, records: dict) -> None:
@@ -660,6 +800,18 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu: the bench's checkpoint path, passed to both servers and the client "
         "(kit bench --checkpoints; default: the bench's, internal); gb10/strix: split only",
     )
+    parser.add_argument(
+        "--one-server",
+        action="store_true",
+        help="one server at a time, the trees in alternating blocks of repetitions "
+        "(chosen by itself where two servers of the model do not fit the box)",
+    )
+    parser.add_argument(
+        "--block-reps",
+        type=int,
+        default=one_server.DEFAULT_BLOCK_REPS,
+        help="with one server at a time: repetitions per block (default: %(default)s)",
+    )
     parser.add_argument("--store", type=Path, default=models.DEFAULT_STORE)
     parser.add_argument("--nodes", type=int, default=1, help="DGX Spark boxes (only 1 today)")
     parser.add_argument("--tests-only", action="store_true", help="stop after the suites")
@@ -699,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the pinned one)",
     )
     plan = parser.parse_args(argv)
+    if plan.block_reps < 1 or plan.reps < 1:
+        parser.error("--reps and --block-reps must be 1 or more")
     if plan.checkpoints == "internal" and plan.target != "cpu":
         parser.error(
             "--checkpoints internal switches the CPU GDN export: cpu target only "
