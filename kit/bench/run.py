@@ -86,7 +86,7 @@ from kit.bench.ttft_stats import (
     summarize,
     table,
 )
-from kit.geometry.geometry_model import UNIT
+from kit.geometry.geometry_model import UNIT, Geometry
 from kit.vllm_tree import mods, pins, trees
 from kit.weights import models
 from kit.weights.tiny_model import (
@@ -586,13 +586,29 @@ def _give_up(out: Path, chosen: bool, reason: str, status: str) -> Path:
     return out
 
 
-def check_block(args: argparse.Namespace, geo) -> None:
+def check_block(args: argparse.Namespace, geo: Geometry) -> None:
     if not args.model and geo.block != args.block:
         raise MeasureError(
             f"vLLM resolved the block to {geo.block} tokens, not the {args.block} "
             "asked for (its Mamba page did not fit the attention page); the expected "
             "hits would be wrong. Check --mamba-ssm-cache-dtype."
         )
+
+
+def measure_alone(
+    args: argparse.Namespace,
+    server: Server,
+    tree: str,
+    reps: tuple[int, ...],
+    num_spec: int,
+    budget: int,
+    progress,
+) -> tuple[dict, Geometry, list[dict]]:
+    """One server's session: the geometry it reports, checked, and its repetitions."""
+    reported = reported_geometry(server)
+    geo = geometry_from(reported, num_spec, budget, PATH_REGIME[args.checkpoints])
+    check_block(args, geo)
+    return reported, geo, one_tree(server, tree, geo, reps, args.shared, args.tolerance, progress)
 
 
 def run_sessions(
@@ -606,7 +622,7 @@ def run_sessions(
     num_spec: int,
     budget: int,
     progress,
-) -> tuple[list[dict], object, dict[str, Server]]:
+) -> tuple[list[dict], Geometry, dict[str, Server]]:
     """``--one-server``: each session's server started alone, measured, stopped before
     the next starts (``kit.bench.one_server``)."""
     records, last = [], {}
@@ -616,10 +632,9 @@ def run_sessions(
             server = start_servers(
                 stack, args, base, patched_extra, env, out, pinned, (tree,), f"-{index + 1}"
             )[tree]
-            reported = reported_geometry(server)
-            geo = geometry_from(reported, num_spec, budget, PATH_REGIME[args.checkpoints])
-            check_block(args, geo)
-            rows = one_tree(server, tree, geo, reps, args.shared, args.tolerance, progress)
+            reported, geo, rows = measure_alone(
+                args, server, tree, reps, num_spec, budget, progress
+            )
         records.append(one_server.record(tree, reps, args.shared, reported, rows, {}))
         last[tree] = server
     rows, _ = one_server.merge(records, args.reps, args.shared)
@@ -640,10 +655,7 @@ def measure_session(
     tree, reps = args.session
     with ExitStack() as stack:
         server = start_servers(stack, args, base, patched_extra, env, out, {}, (tree,))[tree]
-        reported = reported_geometry(server)
-        geo = geometry_from(reported, num_spec, budget, PATH_REGIME[args.checkpoints])
-        check_block(args, geo)
-        rows = one_tree(server, tree, geo, reps, args.shared, args.tolerance, progress)
+        reported, _, rows = measure_alone(args, server, tree, reps, num_spec, budget, progress)
     path = one_server.write(
         out,
         one_server.record(
