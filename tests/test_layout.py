@@ -123,3 +123,20 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     deps = imports_of(probe, set(modules()))
     rank = {name: i for i, name in enumerate(LAYERS)}
     assert any(rank[layer_of(d)] > rank["rig"] for d in deps)
+
+
+def test_the_gpu_hosts_flow_imports_without_vllm_or_the_bench_clients_dependencies() -> None:
+    """The container flow runs on a GPU host's light .venv (make setup-host): no vLLM,
+    torch or transformers, and not the bench client's prometheus_client or tqdm. An
+    import of a measuring module on its way fails there, so it must fail here too."""
+    import subprocess
+    import sys
+
+    blocked = ("vllm", "torch", "transformers", "prometheus_client", "tqdm")
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None\n"
+        "import kit.images.orchestrate, kit.images.lock, kit.images.hostcheck\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

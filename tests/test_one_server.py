@@ -20,7 +20,7 @@ from kit import bundle, schema
 from kit.bench import one_server
 from kit.bench import run as bench
 from kit.bench.serve import free_port, wait_healthy
-from kit.bench.ttft import TREES, MeasureError
+from kit.bench.ttft import TREES
 from kit.images import hostcheck, orchestrate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,13 +84,13 @@ def test_the_merge_needs_every_repetition_on_both_trees_and_one_geometry() -> No
         (0, 900, "unpatched"),
         (0, 900, "patched"),
     ]
-    with pytest.raises(MeasureError, match="each tree needs"):
+    with pytest.raises(one_server.SessionError, match="each tree needs"):
         one_server.merge(records[:-1], 3, [900, 1007])
-    with pytest.raises(MeasureError, match="geometry differs"):
+    with pytest.raises(one_server.SessionError, match="geometry differs"):
         one_server.merge(
             [*records[:-1], _record(*one_server.sessions(3, 1)[-1], 1024)], 3, [900, 1007]
         )
-    with pytest.raises(MeasureError, match="measured S"):
+    with pytest.raises(one_server.SessionError, match="measured S"):
         one_server.merge(records, 3, [900])
 
 
@@ -98,7 +98,7 @@ def test_session_records_carry_their_schema(tmp_path: Path) -> None:
     path = one_server.write(tmp_path / "01-unpatched", _record("unpatched", (0,)))
     assert json.loads(path.read_text())["schema"] == {"name": "bench-session", "version": 1}
     assert one_server.read([tmp_path / "01-unpatched"])[0]["tree"] == "unpatched"
-    with pytest.raises(MeasureError, match="no session record"):
+    with pytest.raises(one_server.SessionError, match="no session record"):
         one_server.read([tmp_path / "02-patched"])
 
 

@@ -26,7 +26,15 @@ import json
 from pathlib import Path
 
 from kit import schema
-from kit.bench.ttft import TREES, MeasureError
+from kit.vllm_tree.trees import TREE_NAMES as TREES
+
+# No import of the measuring modules: the container flow imports this on a GPU host
+# whose light .venv has neither vLLM nor the HTTP client's dependencies.
+
+
+class SessionError(RuntimeError):
+    """Session records that do not make one run (missing, overlapping, inconsistent)."""
+
 
 SESSION_FILE = "session.json"
 DEFAULT_BLOCK_REPS = 2
@@ -99,7 +107,7 @@ def read(folders: list[Path]) -> list[dict]:
     for folder in folders:
         path = folder / SESSION_FILE if folder.is_dir() else folder
         if not path.is_file():
-            raise MeasureError(f"{path}: no session record (a session that did not finish?)")
+            raise SessionError(f"{path}: no session record (a session that did not finish?)")
         records.append(schema.check("bench-session", json.loads(path.read_text()), path))
     return records
 
@@ -108,21 +116,21 @@ def merge(records: list[dict], reps: int, shared: list[int]) -> tuple[list[dict]
     """Every session's rows, once each tree has every repetition exactly once and
     every server reported the same cache geometry; returns (rows, that geometry)."""
     if not records:
-        raise MeasureError("no session records to merge")
+        raise SessionError("no session records to merge")
     covered: dict[str, list[int]] = {tree: [] for tree in TREES}
     for data in records:
         if data["shared"] != shared:
-            raise MeasureError(f"a session measured S = {data['shared']}, this run {shared}")
+            raise SessionError(f"a session measured S = {data['shared']}, this run {shared}")
         covered[data["tree"]] += data["reps"]
     want = list(range(reps))
     wrong = {tree: sorted(got) for tree, got in covered.items() if sorted(got) != want}
     if wrong:
-        raise MeasureError(
+        raise SessionError(
             f"the sessions cover repetitions {wrong}, each tree needs {want} once each"
         )
     geometries = {json.dumps(d["reported_geometry"], sort_keys=True) for d in records}
     if len(geometries) != 1:
-        raise MeasureError(f"the servers' cache geometry differs between sessions: {geometries}")
+        raise SessionError(f"the servers' cache geometry differs between sessions: {geometries}")
     rows = [row for data in records for row in data["rows"]]
     rows.sort(key=lambda r: (r["rep"], r["S"], TREES.index(r["tree"])))
     return rows, records[0]["reported_geometry"]

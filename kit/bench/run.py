@@ -562,7 +562,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _give_up(out, chosen, "stopped by SIGINT; both servers stopped", "interrupted")
         return EXIT_SIGNAL[signal.SIGINT]
-    except (MeasureError, ServerError, RequestError, MetricsError, OSError) as exc:
+    except (
+        MeasureError,
+        one_server.SessionError,
+        ServerError,
+        RequestError,
+        MetricsError,
+        OSError,
+    ) as exc:
         where = _give_up(out, chosen, str(exc), "failed")
         print(f"error: {exc}\nlogs: {where / bundle.LOGS}", file=sys.stderr)
         return 1
