@@ -684,6 +684,9 @@ def dry_run(plan: argparse.Namespace) -> int:
             f"+ {sys.executable} -m kit.weights.models verify --model {keys} --store {plan.store}"
         )
     spec = RUN_SPECS[plan.target]
+    if plan.one_server:
+        print_one_server_plan(plan, model, spec)
+        return 0
     for stage in STAGES:
         ref = images.image_tag(plan.target, stage, plan.vllm, plan.arch)
         volumes = [f"{plan.store}:{IN_IMAGE_MODELS}:ro"] if model else []
@@ -691,12 +694,8 @@ def dry_run(plan: argparse.Namespace) -> int:
         docker = ["docker", "run", "-d", "--name", f"kit-{stage}", "--network", "kit-net"]
         docker += [f for f in with_compile_cache(spec).cli_flags() if f != "--network=none"]
         docker += [a for v in volumes for a in ("-v", v)]
-        if plan.one_server:
-            continue
         print("+", shlex.join([*docker, ref, *server_command(plan, model, stage)]), flush=True)
         print(f"  (wait until its log says '{READY_LINE}' before the next)", flush=True)
-    if plan.one_server:
-        print_one_server_plan(plan, model, spec)
     return 0
 
 
