@@ -15,7 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from kit import bundle
-from kit.bench.ttft_stats import pooled_table, ratio_text, table
+from kit.bench.ttft_stats import pooled_table, ratio_text, table, unpaused_lines
 
 
 def manifest_lines(manifest: dict) -> list[str]:
@@ -71,6 +71,7 @@ def render(bundles: list[Path]) -> str:
             "",
             tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
+            *unpaused_lines(report),
             f"Oracle: {report['oracle']}",
             "",
         ]

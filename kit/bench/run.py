@@ -79,12 +79,14 @@ from kit.bench.ttft import (
 from kit.bench.ttft_stats import (
     distinct_cold_answers,
     failures,
+    host_pauses,
     oracle_summary,
     pooled_ratios,
     pooled_table,
     ratio_method,
     summarize,
     table,
+    unpaused_lines,
 )
 from kit.geometry.geometry_model import UNIT, Geometry
 from kit.vllm_tree import mods, pins, trees
@@ -502,6 +504,7 @@ def markdown(report: dict) -> str:
             "",
             tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
+            *unpaused_lines(report),
             f"Correctness oracle (cached B vs cold B): verdicts {oracle_part['verdicts']}; "
             f"max |first-position log-prob diff| {oracle_part['max_first_logprob_diff']:.2e} "
             f"(tolerance {oracle_part['tolerance_first_logprob']}); "
@@ -744,6 +747,10 @@ def run(
         "summary": summary,
         "pooled_ratios": pooled_ratios(rows),
         "ratio_method": ratio_method(),
+        "host_pauses": host_pauses(rows),
+        "pooled_ratios_unpaused": pooled_ratios(rows, drop_paused=True)
+        if host_pauses(rows)
+        else None,
         "oracle": oracle_summary(rows, args.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers, tree_records),

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kit.bench import oracle
+from kit.bench.host_steal import steal_s, stolen_between
 from kit.bench.openai_client import (
     MetricsError,
     RequestError,
@@ -46,7 +47,9 @@ def measure(
     max_tokens: int = 4,
 ) -> dict:
     before = counters(server.url)
+    steal_before = steal_s()
     done = complete(server.url, SERVED_NAME, prompt, max_tokens)
+    stolen = stolen_between(steal_before, steal_s())
     after = counters(server.url)
     return {
         "tree": tree,
@@ -54,6 +57,8 @@ def measure(
         "S": shared,
         "kind": kind,
         "ttft_s": done.ttft_s,
+        # Host steal during the request (``host_steal``): None where unknown.
+        "stolen_s": stolen,
         "prompt_tokens": done.prompt_tokens,
         "cached_tokens": done.cached_tokens,
         "expected_cached": expect,

@@ -65,21 +65,31 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def paired_ratios(rows: list[dict], key: str) -> list[float]:
+def paused(row: dict) -> bool:
+    """Whether the host paused the machine during the request (``host_steal``)."""
+    return (row.get("stolen_s") or 0) > 0
+
+
+def paired_ratios(rows: list[dict], key: str, drop_paused: bool = False) -> list[float]:
     """patched/unpatched of ``key`` for every pair of rows from the same repetition, S,
     request kind and turn (the two sides run back to back), sorted: the order the
-    rows came in does not matter."""
+    rows came in does not matter. ``drop_paused`` leaves out every pair with a side
+    the host paused."""
     pairs: dict = {}
     for r in rows:
         pair = (r["rep"], r.get("S"), r.get("kind"), r.get("turn"))
-        pairs.setdefault(pair, {})[r["tree"]] = r[key]
-    return sorted(p["patched"] / p["unpatched"] for p in pairs.values() if len(p) == 2)
+        pairs.setdefault(pair, {})[r["tree"]] = r
+    return sorted(
+        p["patched"][key] / p["unpatched"][key]
+        for p in pairs.values()
+        if len(p) == 2 and not (drop_paused and any(map(paused, p.values())))
+    )
 
 
-def paired_ratio(rows: list[dict], key: str) -> dict:
+def paired_ratio(rows: list[dict], key: str, drop_paused: bool = False) -> dict:
     """The paired ratios of ``key`` (``paired_ratios``): how many, median, min, max, and
     the 95 % bootstrap interval of the median (``bootstrap_median_ci``)."""
-    ratios = paired_ratios(rows, key)
+    ratios = paired_ratios(rows, key, drop_paused)
     return {
         "n": len(ratios),
         "median": statistics.median(ratios),
@@ -118,22 +128,37 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[low] + (pos - low) * (ordered[high] - ordered[low])
 
 
-def pooled_ratios(rows: list[dict]) -> list[dict]:
-    """The paired ratios of the request kinds in ``POOLED``, over every S (and turn)."""
+def pooled_ratios(rows: list[dict], drop_paused: bool = False) -> list[dict]:
+    """The paired ratios of the request kinds in ``POOLED``, over every S (and turn);
+    ``drop_paused``: only the pairs the host did not pause."""
     out = []
     for group, kinds in POOLED:
         sel = [r for r in rows if r["kind"] in kinds]
-        if not sel or not paired_ratios(sel, "ttft_s"):
+        if not sel or not paired_ratios(sel, "ttft_s", drop_paused):
             continue
         out.append(
             {
                 "group": group,
                 "kinds": list(kinds),
                 "S": sorted({r["S"] for r in sel}),
-                **paired_ratio(sel, "ttft_s"),
+                **paired_ratio(sel, "ttft_s", drop_paused),
             }
         )
     return out
+
+
+def host_pauses(rows: list[dict]) -> dict | None:
+    """How many requests per tree the host paused, or None where the rows do not
+    know (no steal counter, or a bundle from before the kit recorded it)."""
+    if all(r.get("stolen_s") is None for r in rows):
+        return None
+    return {
+        tree: {
+            "requests": sum(r["tree"] == tree for r in rows),
+            "paused": sum(r["tree"] == tree and paused(r) for r in rows),
+        }
+        for tree in TREES
+    }
 
 
 def ratio_method() -> dict:
@@ -168,6 +193,27 @@ def pooled_table(pooled: list[dict]) -> tuple[list[str], list[list]]:
         for p in pooled
     ]
     return headers, body
+
+
+def unpaused_lines(report: dict) -> list[str]:
+    """The pooled table again without the pairs the host paused (``host_steal``),
+    where the run recorded steal; nothing otherwise."""
+    from tabulate import tabulate
+
+    pauses = report.get("host_pauses")
+    if not pauses:
+        return []
+    counts = ", ".join(f"{tree} {c['paused']} of {c['requests']}" for tree, c in pauses.items())
+    lines = [f"Requests during which the host paused this machine (steal time): {counts}."]
+    if report.get("pooled_ratios_unpaused"):
+        headers, body = pooled_table(report["pooled_ratios_unpaused"])
+        lines += [
+            "Pooled again, leaving out every pair with a paused side (a pause hits either "
+            "tree at random and adds its length to that request):",
+            "",
+            tabulate(body, headers=headers, tablefmt="github"),
+        ]
+    return [*lines, ""]
 
 
 def table(summary: list[dict]) -> tuple[list[str], list[list]]:
