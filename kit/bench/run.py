@@ -19,7 +19,11 @@ two servers of the model.
 No pass/fail threshold on TTFT: the report gives medians, spread and ratios
 (patched/unpatched per repetition: median, min-max and a seeded 95 % bootstrap
 interval of the median, per request kind and S, and pooled: later turns, cold A,
-cold B over every S).
+cold B over every S). Each request also records the host's steal time around it
+(``kit/bench/host_steal.py``): on a virtual machine with a CPU quota the host
+pauses the whole machine now and then (the kit's 2-core build machine: ~100 ms,
+in about one request in nine), so the pooled table is given again without the
+pairs a pause hit.
 Checkpoint path (``--checkpoints``, CPU default): ``internal`` (default) switches
 the CPU GDN layers' in-pass export on in both servers
 (VLLM_CPU_GDN_PREFILL_CHECKPOINT=1) under an 8192-token step budget, so every

@@ -66,6 +66,13 @@ def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
     timed(mamba_mod, "preprocess_mamba", "mamba_pre")
     if hasattr(mamba_mod, "postprocess_mamba_align_cpu"):
         timed(mamba_mod, "postprocess_mamba_align_cpu", "mamba_post")
+    # The GDN layers' prefill recurrence (every layer, every step): where the
+    # in-pass export (cpu-gdn-prefill-checkpoint) runs a row in pieces, the
+    # extra kernel calls show here. The op calls it by its module-level name.
+    import vllm.model_executor.layers.mamba.ops.cpu.gdn_attention as gdn_mod
+
+    if hasattr(gdn_mod, "_chunk_gated_delta_rule_cpu"):
+        timed(gdn_mod, "_chunk_gated_delta_rule_cpu", "gdn_prefill")
 
 
 def measure(
@@ -150,7 +157,15 @@ def _run_tree(tree: str, reps: int, shared: int, path: str) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    keys = ("wall_s", "step_s", "step_n", "cow_copy_s", "mamba_pre_s", "mamba_post_s")
+    keys = (
+        "wall_s",
+        "step_s",
+        "step_n",
+        "cow_copy_s",
+        "mamba_pre_s",
+        "mamba_post_s",
+        "gdn_prefill_s",
+    )
     table = []
     for turn in sorted({r["turn"] for r in rows}):
         line: dict = {"turn": turn}
@@ -268,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 pair(line, "cow_copy_s", 2),
                 pair(line, "mamba_pre_s", 2),
                 pair(line, "mamba_post_s", 2),
+                pair(line, "gdn_prefill_s", 2),
             ]
         )
     headers = [
@@ -279,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "CoW copy ms u/p",
         "Mamba pre ms u/p",
         "Mamba post ms u/p",
+        "GDN prefill ms u/p",
     ]
     budget = serve_args.PATH_BUDGET[args.checkpoints]
     print(f"checkpoint path: {args.checkpoints} (step budget {budget})")
