@@ -15,6 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from kit import bundle
+from kit.bench import step_log
 from kit.bench.ttft_stats import pooled_table, ratio_text, table, unpaused_lines
 
 
@@ -72,6 +73,7 @@ def render(bundles: list[Path]) -> str:
             tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
             *unpaused_lines(report),
+            *step_log.lines(report.get("engine_steps")),
             f"Oracle: {report['oracle']}",
             "",
         ]

@@ -52,7 +52,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kit import bundle
-from kit.bench import one_server, oracle
+from kit.bench import one_server, oracle, step_log
 from kit.bench.openai_client import MetricsError, RequestError
 from kit.bench.serve import Server, ServerError, server_command, server_env, wait_healthy
 from kit.bench.serve_args import (
@@ -222,6 +222,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="DIR",
         help="(the container flow's one-server mode) make the bundle in --out from the "
         "session records in these folders; starts no server",
+    )
+    parser.add_argument(
+        "--step-log",
+        action="store_true",
+        help="start both servers with vLLM's per-step log and compare the trees' engine "
+        "steps by kind in the bundle (kit/bench/step_log.py; servers started here)",
     )
     parser.add_argument(
         "--record-only",
@@ -509,6 +515,7 @@ def markdown(report: dict) -> str:
             tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
             *unpaused_lines(report),
+            *step_log.lines(report.get("engine_steps")),
             f"Correctness oracle (cached B vs cold B): verdicts {oracle_part['verdicts']}; "
             f"max |first-position log-prob diff| {oracle_part['max_first_logprob_diff']:.2e} "
             f"(tolerance {oracle_part['tolerance_first_logprob']}); "
@@ -528,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     except (models.LockError, models.VerifyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.step_log:
+        base = [*base, step_log.FLAG]
     limit = max_model_len(base)
     too_long = [s for s in args.shared if limit and longest_prompt(s) > limit]
     if too_long:
@@ -758,6 +767,12 @@ def run(
         "oracle": oracle_summary(rows, args.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers, tree_records),
+        # Both servers' logs are here only when they were started by this run.
+        "engine_steps": step_log.from_logs(
+            {tree: out / bundle.LOGS / f"server-{tree}.log" for tree in TREES}
+        )
+        if args.step_log
+        else None,
     }
     if schedule is not None:
         report["one_server"] = schedule

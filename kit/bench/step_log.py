@@ -1,0 +1,98 @@
+"""Engine steps from vLLM's own iteration log: where a turn's time goes on a server.
+
+``kit bench --step-log`` starts both servers with ``--enable-logging-iteration-details``;
+the engine then logs every step's scheduled tokens and elapsed time (scheduling,
+the worker's forward pass and the output's processing). Steps are grouped by what
+they ran (prefill tokens, or decode tokens) and compared per tree: the median
+time of the same kind of step on both servers of one run. A step kind that only
+one tree runs (a prefill a hit shortened) has no pair and is left out."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+FLAG = "--enable-logging-iteration-details"
+# vLLM 0.32.0's line (v1/metrics/loggers.py _log_iteration_details).
+LINE = re.compile(
+    r"Iteration\(\d+\): \d+ context requests, (?P<ctx>\d+) context tokens, "
+    r"\d+ generation requests, (?P<gen>\d+) generation tokens, "
+    r"iteration elapsed time: (?P<ms>[\d.]+) ms(?! \(dummy\))"
+)
+MIN_STEPS = 5  # fewer steps of a kind on a tree: no median worth printing
+
+
+def steps(log: Path) -> dict[tuple[str, int], list[float]]:
+    """Elapsed ms per step, keyed ("prefill", context tokens) or ("decode", tokens);
+    a step with both keys on its prefill tokens (prefills beside decodes)."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        found = LINE.search(line)
+        if not found:
+            continue
+        ctx, gen = int(found["ctx"]), int(found["gen"])
+        key = ("prefill", ctx) if ctx else ("decode", gen)
+        out.setdefault(key, []).append(float(found["ms"]))
+    return out
+
+
+def compare(per_tree: dict[str, dict[tuple[str, int], list[float]]]) -> list[dict]:
+    """Per step kind that both trees ran at least MIN_STEPS times: counts, medians and
+    the difference patched minus unpatched."""
+    unpatched, patched = per_tree["unpatched"], per_tree["patched"]
+    rows = []
+    for kind, tokens in sorted(set(unpatched) & set(patched)):
+        u, p = unpatched[(kind, tokens)], patched[(kind, tokens)]
+        if min(len(u), len(p)) < MIN_STEPS:
+            continue
+        mu, mp = statistics.median(u), statistics.median(p)
+        rows.append(
+            {
+                "step": kind,
+                "tokens": tokens,
+                "n": {"unpatched": len(u), "patched": len(p)},
+                "median_ms": {"unpatched": mu, "patched": mp},
+                "diff_ms": mp - mu,
+            }
+        )
+    return rows
+
+
+def from_logs(logs: dict[str, Path]) -> list[dict] | None:
+    """The comparison from both servers' logs, or None when a log is missing or has
+    no iteration lines (a run without --step-log)."""
+    if not all(path.is_file() for path in logs.values()):
+        return None
+    per_tree = {tree: steps(path) for tree, path in logs.items()}
+    if not all(per_tree.values()):
+        return None
+    return compare(per_tree)
+
+
+def lines(rows: list[dict] | None) -> list[str]:
+    """bench.md's table, or nothing."""
+    from tabulate import tabulate
+
+    if not rows:
+        return []
+    body = [
+        [
+            r["step"],
+            r["tokens"],
+            f"{r['n']['unpatched']} / {r['n']['patched']}",
+            f"{r['median_ms']['unpatched']:.2f} / {r['median_ms']['patched']:.2f}",
+            f"{r['diff_ms']:+.2f}",
+        ]
+        for r in rows
+    ]
+    headers = ["step", "tokens", "steps u/p", "median ms u/p", "p - u ms"]
+    return [
+        "Engine steps from vLLM's iteration log (`--step-log`; every step of the run, "
+        "warm-up included; step kinds both trees ran at least "
+        f"{MIN_STEPS} times):",
+        "",
+        # Strings as written: a signed difference keeps its sign.
+        tabulate(body, headers=headers, tablefmt="github", disable_numparse=True),
+        "",
+    ]
