@@ -24,7 +24,7 @@ def _line(i: int, ctx: int, gen: int, ms: float, dummy: bool = False) -> str:
     )
 
 
-def _log(tmp_path: Path, tree: str, extra_ms: float) -> Path:
+def _log(tmp_path: Path, tree: str, extra_ms: float, tag: str = "") -> Path:
     lines = ['INFO:     127.0.0.1:32782 - "GET /metrics HTTP/1.1" 200 OK']
     for i in range(6):
         lines.append(_line(3 * i, 64, 0, 22.0 + extra_ms + 0.1 * i))
@@ -32,7 +32,7 @@ def _log(tmp_path: Path, tree: str, extra_ms: float) -> Path:
         lines.append(_line(3 * i + 2, 0, 0, 0.0, dummy=True))
     if tree == "patched":
         lines.append(_line(99, 1024, 0, 130.0))  # a kind only one tree ran
-    path = tmp_path / f"server-{tree}.log"
+    path = tmp_path / f"server-{tree}{tag}.log"
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -47,7 +47,7 @@ def test_steps_are_grouped_by_what_they_ran(tmp_path: Path) -> None:
 
 def test_the_trees_compare_on_the_step_kinds_both_ran(tmp_path: Path) -> None:
     logs = {
-        tree: _log(tmp_path, tree, 1.2 if tree == "patched" else 0.0)
+        tree: [_log(tmp_path, tree, 1.2 if tree == "patched" else 0.0)]
         for tree in ("unpatched", "patched")
     }
     rows = step_log.from_logs(logs)
@@ -60,11 +60,21 @@ def test_the_trees_compare_on_the_step_kinds_both_ran(tmp_path: Path) -> None:
     assert "| prefill | 64 " in text and "| +1.20 " in text and "| +0.00 " in text
 
 
+def test_a_tree_started_in_several_sessions_pools_its_logs(tmp_path: Path) -> None:
+    # One-server runs start each tree's server once per session (server-<tree>-<n>.log).
+    logs = {
+        tree: [_log(tmp_path, tree, 0.0, f"-{n}") for n in (1, 2)]
+        for tree in ("unpatched", "patched")
+    }
+    prefill = step_log.from_logs(logs)[1]
+    assert prefill["n"] == {"unpatched": 12, "patched": 12}
+
+
 def test_no_log_or_no_iteration_lines_gives_nothing(tmp_path: Path) -> None:
     plain = tmp_path / "plain.log"
     plain.write_text("nothing to see\n")
-    assert step_log.from_logs({"unpatched": tmp_path / "gone.log", "patched": plain}) is None
-    assert step_log.from_logs({"unpatched": plain, "patched": plain}) is None
+    assert step_log.from_logs({"unpatched": [], "patched": [plain]}) is None
+    assert step_log.from_logs({"unpatched": [plain], "patched": [plain]}) is None
     assert step_log.lines(None) == []
 
 
@@ -81,3 +91,13 @@ def test_the_switch_reaches_both_servers_arguments() -> None:
 
     assert step_log.FLAG in plan("--step-log")["args"]
     assert step_log.FLAG not in plan()["args"]
+
+
+def test_servers_started_elsewhere_are_refused() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kit.bench", "--step-log", "--merge-sessions", "x", "--out", "y"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--step-log reads the logs" in done.stderr

@@ -304,6 +304,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.merge_sessions and args.out is None:
         parser.error("--merge-sessions needs --out: the bundle folder to write")
+    if args.step_log and (external or args.session or args.merge_sessions):
+        parser.error(
+            "--step-log reads the logs of the servers this run starts; with --server-url, "
+            "--session or --merge-sessions the servers run elsewhere: start them with "
+            f"{step_log.FLAG} and read their logs there"
+        )
     args.external = external
     if args.model and args.arch:
         parser.error(
@@ -736,6 +742,7 @@ def run(
             check_block(args, geo)
             rows = interleaved(servers, geo, args.reps, args.shared, args.tolerance, progress)
     summary = summarize(rows)
+    pauses = host_pauses(rows)
     report = {
         "question": "cached follow-up TTFT, unpatched vs patched (fix-eagle-fine-prefix)",
         "prompt_pair": {
@@ -760,16 +767,14 @@ def run(
         "summary": summary,
         "pooled_ratios": pooled_ratios(rows),
         "ratio_method": ratio_method(),
-        "host_pauses": host_pauses(rows),
-        "pooled_ratios_unpaused": pooled_ratios(rows, drop_paused=True)
-        if host_pauses(rows)
-        else None,
+        "host_pauses": pauses,
+        "pooled_ratios_unpaused": pooled_ratios(rows, drop_paused=True) if pauses else None,
         "oracle": oracle_summary(rows, args.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers, tree_records),
-        # Both servers' logs are here only when they were started by this run.
+        # Every server this run started logs here (one-server runs: one per session).
         "engine_steps": step_log.from_logs(
-            {tree: out / bundle.LOGS / f"server-{tree}.log" for tree in TREES}
+            {tree: sorted((out / bundle.LOGS).glob(f"server-{tree}*.log")) for tree in TREES}
         )
         if args.step_log
         else None,

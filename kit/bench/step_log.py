@@ -59,14 +59,19 @@ def compare(per_tree: dict[str, dict[tuple[str, int], list[float]]]) -> list[dic
     return rows
 
 
-def from_logs(logs: dict[str, Path]) -> list[dict] | None:
-    """The comparison from both servers' logs, or None when a log is missing or has
-    no iteration lines (a run without --step-log)."""
-    if not all(path.is_file() for path in logs.values()):
-        return None
-    per_tree = {tree: steps(path) for tree, path in logs.items()}
-    if not all(per_tree.values()):
-        return None
+def from_logs(logs: dict[str, list[Path]]) -> list[dict] | None:
+    """The comparison from each tree's server logs (several where the tree's server
+    was started more than once), or None when a tree has no log or no iteration
+    lines (a run without --step-log)."""
+    per_tree: dict[str, dict[tuple[str, int], list[float]]] = {}
+    for tree, paths in logs.items():
+        merged: dict[tuple[str, int], list[float]] = {}
+        for path in paths:
+            for key, times in steps(path).items():
+                merged.setdefault(key, []).extend(times)
+        if not merged:
+            return None
+        per_tree[tree] = merged
     return compare(per_tree)
 
 
