@@ -208,11 +208,15 @@ def run_step(
     tables: torch.Tensor,
     num_spec: int,
     step_exports: Exports | None = None,
+    twins: tuple[Layer, ...] = (),
 ) -> tuple[list[torch.Tensor], object]:
     """One call of the op over ``rows``; returns each row's outputs and the metadata.
 
     ``step_exports``: (offset, block) per batch row, handed to the builder as the
-    patched model runner hands it the scheduler's ``mamba_checkpoint_exports``."""
+    patched model runner hands it the scheduler's ``mamba_checkpoint_exports``.
+    ``twins``: more GDN layers (each with a prefix of its own) run after ``layer``
+    in the same step on the same metadata object, as a model's layers are; their
+    outputs land in ``twin.outputs``."""
     lens = [r.length for r in rows]
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([r.end for r in rows], dtype=torch.int32)
@@ -251,11 +255,20 @@ def run_step(
         parts = [getattr(q, name)[r.start : r.end] for q, r in zip(requests, rows, strict=True)]
         return torch.cat(parts)
 
-    out = torch.zeros(num_tokens, V_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    context = SimpleNamespace(no_compile_layers={PREFIX: layer}, attn_metadata={PREFIX: metadata})
+    layers = {PREFIX: layer} | {twin.prefix: twin for twin in twins}
+    context = SimpleNamespace(
+        no_compile_layers=layers, attn_metadata=dict.fromkeys(layers, metadata)
+    )
+    outs: dict[str, torch.Tensor] = {}
     with override_forward_context(context):  # type: ignore[arg-type]
-        gdn_cpu.cpu_gdn_attention_core(gather("qkv"), gather("b"), gather("a"), out, PREFIX)
-    return list(out.split(lens)), metadata
+        for prefix in layers:
+            outs[prefix] = torch.zeros(num_tokens, V_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            gdn_cpu.cpu_gdn_attention_core(
+                gather("qkv"), gather("b"), gather("a"), outs[prefix], prefix
+            )
+    for twin in twins:
+        twin.outputs = list(outs[twin.prefix].split(lens))
+    return list(outs[PREFIX].split(lens)), metadata
 
 
 def builder_exports(metadata: object) -> Exports:
@@ -324,7 +337,7 @@ class Scenario:
         return int(self.tables[i, (self.rows[i].end - 1) // BLOCK])
 
     def run_internal(
-        self, step_exports: Exports | None = None
+        self, step_exports: Exports | None = None, twins: tuple[Layer, ...] = ()
     ) -> tuple[list[torch.Tensor], Exports]:
         outs, metadata = run_step(
             self.config,
@@ -335,6 +348,7 @@ class Scenario:
             self.tables,
             self.num_spec,
             step_exports,
+            twins,
         )
         return outs, builder_exports(metadata)
 
@@ -641,6 +655,29 @@ def test_fix_states_through_vllm_metadata(tiny_model_dir: Path, num_spec: int) -
     assert [o for o, _ in exports[0]] == [below_boundary, p - UNIT, p]
     assert exports[1] == wanted[1]  # no column for vLLM's own: the fix's state alone
     check_against_split(scenario, exports, outs)
+
+
+@pytest.mark.parametrize("num_spec", [0, 1])
+def test_every_layer_of_a_step_exports_the_same(tiny_model_dir: Path, num_spec: int) -> None:
+    """A step runs every GDN layer on one metadata object: the first layer reads
+    the checkpoints and plans the pieces, the others reuse that plan. Each later
+    layer (same weights, same initial blocks) must end bit for bit as the first,
+    which is checked against the split schedule; the next step, another batch,
+    plans anew."""
+    for seed, rows in enumerate(
+        [[Row(0, 230), Row(3 * UNIT, 3 * UNIT + 40)], [Row(0, 40), Row(0, 300), Row(0, 90)]]
+    ):
+        scenario = Scenario(tiny_model_dir, rows, num_spec, seed=13 + seed)
+        twins = tuple(scenario.layer.clone() for _ in range(2))
+        for k, twin in enumerate(twins):
+            twin.prefix = f"model.layers.{k + 1}.linear_attn"
+        outs, exports = scenario.run_internal(twins=twins)
+        assert exports, "no row has a checkpoint: the step tests nothing"
+        check_against_split(scenario, exports, outs)
+        for twin in twins:
+            assert all(map(torch.equal, twin.outputs, outs)), f"{twin.prefix}: outputs differ"
+            for mine, first in zip(twin.kv_cache, scenario.layer.kv_cache, strict=True):
+                assert torch.equal(mine, first), f"{twin.prefix}: blocks differ from the first's"
 
 
 def test_fix_state_at_a_wrong_position_fails_the_check(
