@@ -659,11 +659,11 @@ def test_fix_states_through_vllm_metadata(tiny_model_dir: Path, num_spec: int) -
 
 @pytest.mark.parametrize("num_spec", [0, 1])
 def test_every_layer_of_a_step_exports_the_same(tiny_model_dir: Path, num_spec: int) -> None:
-    """A step runs every GDN layer on one metadata object: the first layer reads
-    the checkpoints and plans the pieces, the others reuse that plan. Each later
-    layer (same weights, same initial blocks) must end bit for bit as the first,
-    which is checked against the split schedule; the next step, another batch,
-    plans anew."""
+    """The GDN layers of one KV cache group run a step on one metadata object:
+    the first layer reads the checkpoints and plans the pieces, the others reuse
+    that plan. Each later layer (same weights, same initial blocks) must end bit
+    for bit as the first, which is checked against the split schedule; the next
+    step, another batch, plans anew."""
     for seed, rows in enumerate(
         [[Row(0, 230), Row(3 * UNIT, 3 * UNIT + 40)], [Row(0, 40), Row(0, 300), Row(0, 90)]]
     ):
@@ -678,6 +678,22 @@ def test_every_layer_of_a_step_exports_the_same(tiny_model_dir: Path, num_spec: 
             assert all(map(torch.equal, twin.outputs, outs)), f"{twin.prefix}: outputs differ"
             for mine, first in zip(twin.kv_cache, scenario.layer.kv_cache, strict=True):
                 assert torch.equal(mine, first), f"{twin.prefix}: blocks differ from the first's"
+
+
+def test_a_stale_piece_plan_fails_the_check(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan reuse is checked: a plan kept past its step (here the first
+    step's, served to every later call) is caught by the test above."""
+    real, kept = gdn_cpu._piece_calls, []
+
+    def stale(*args: object) -> list:
+        kept[:] = kept or [real(*args)]
+        return kept[0]
+
+    monkeypatch.setattr(gdn_cpu, "_piece_calls", stale)
+    with pytest.raises(AssertionError):
+        test_every_layer_of_a_step_exports_the_same(tiny_model_dir, 1)
 
 
 def test_fix_state_at_a_wrong_position_fails_the_check(
