@@ -22,11 +22,11 @@ from kit.bench.openai_client import (
 from kit.bench.serve import Server
 from kit.bench.serve_args import SERVED_NAME, path_of_regime
 from kit.geometry.geometry_model import Case, Geometry, expected, prompt_checkpoint
+from kit.vllm_tree.trees import TREE_NAMES as TREES
 
 PROBE_TOKEN = 13
 TURN_LEN = 48
 REPLY_TOKENS = 8
-TREES = ("unpatched", "patched")
 WAKE_PROMPT = [5, 6, 7]  # shorter than one hash unit: leaves no cache entry
 IDLE_GAP_S = 1.5
 
