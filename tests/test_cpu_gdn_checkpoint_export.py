@@ -199,24 +199,18 @@ def mamba_spec(num_spec: int, checkpoints: bool) -> MambaSpec:
     return replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
 
 
-def run_step(
+def build_metadata(
     config: VllmConfig,
     spec: MambaSpec,
-    layer: Layer,
-    requests: list[Request],
     rows: list[Row],
     tables: torch.Tensor,
     num_spec: int,
     step_exports: Exports | None = None,
-    twins: tuple[Layer, ...] = (),
-) -> tuple[list[torch.Tensor], object]:
-    """One call of the op over ``rows``; returns each row's outputs and the metadata.
+) -> object:
+    """The real builder's GDN metadata for one step over ``rows``.
 
     ``step_exports``: (offset, block) per batch row, handed to the builder as the
-    patched model runner hands it the scheduler's ``mamba_checkpoint_exports``.
-    ``twins``: more GDN layers (each with a prefix of its own) run after ``layer``
-    in the same step on the same metadata object, as a model's layers are; their
-    outputs land in ``twin.outputs``."""
+    patched model runner hands it the scheduler's ``mamba_checkpoint_exports``."""
     lens = [r.length for r in rows]
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor([r.end for r in rows], dtype=torch.int32)
@@ -249,26 +243,41 @@ def run_step(
                 [num_spec if r.spec else -1 for r in rows], dtype=torch.int32
             ),
         }
-    metadata = builder.build(0, common, **spec_kwargs)
+    return builder.build(0, common, **spec_kwargs)
 
-    def gather(name: str) -> torch.Tensor:
-        parts = [getattr(q, name)[r.start : r.end] for q, r in zip(requests, rows, strict=True)]
-        return torch.cat(parts)
 
-    layers = {PREFIX: layer} | {twin.prefix: twin for twin in twins}
+def run_layer(
+    layer: Layer, metadata: object, requests: list[Request], rows: list[Row]
+) -> list[torch.Tensor]:
+    """One call of the op for ``layer`` on ``metadata``; each row's outputs."""
+    parts = {
+        name: torch.cat(
+            [getattr(q, name)[r.start : r.end] for q, r in zip(requests, rows, strict=True)]
+        )
+        for name in ("qkv", "a", "b")
+    }
+    out = torch.zeros(parts["qkv"].size(0), V_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     context = SimpleNamespace(
-        no_compile_layers=layers, attn_metadata=dict.fromkeys(layers, metadata)
+        no_compile_layers={layer.prefix: layer}, attn_metadata={layer.prefix: metadata}
     )
-    outs: dict[str, torch.Tensor] = {}
     with override_forward_context(context):  # type: ignore[arg-type]
-        for prefix in layers:
-            outs[prefix] = torch.zeros(num_tokens, V_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-            gdn_cpu.cpu_gdn_attention_core(
-                gather("qkv"), gather("b"), gather("a"), outs[prefix], prefix
-            )
-    for twin in twins:
-        twin.outputs = list(outs[twin.prefix].split(lens))
-    return list(outs[PREFIX].split(lens)), metadata
+        gdn_cpu.cpu_gdn_attention_core(parts["qkv"], parts["b"], parts["a"], out, layer.prefix)
+    return list(out.split([r.length for r in rows]))
+
+
+def run_step(
+    config: VllmConfig,
+    spec: MambaSpec,
+    layer: Layer,
+    requests: list[Request],
+    rows: list[Row],
+    tables: torch.Tensor,
+    num_spec: int,
+    step_exports: Exports | None = None,
+) -> tuple[list[torch.Tensor], object]:
+    """One call of the op over ``rows``; returns each row's outputs and the metadata."""
+    metadata = build_metadata(config, spec, rows, tables, num_spec, step_exports)
+    return run_layer(layer, metadata, requests, rows), metadata
 
 
 def builder_exports(metadata: object) -> Exports:
@@ -337,7 +346,7 @@ class Scenario:
         return int(self.tables[i, (self.rows[i].end - 1) // BLOCK])
 
     def run_internal(
-        self, step_exports: Exports | None = None, twins: tuple[Layer, ...] = ()
+        self, step_exports: Exports | None = None
     ) -> tuple[list[torch.Tensor], Exports]:
         outs, metadata = run_step(
             self.config,
@@ -348,7 +357,6 @@ class Scenario:
             self.tables,
             self.num_spec,
             step_exports,
-            twins,
         )
         return outs, builder_exports(metadata)
 
@@ -657,43 +665,90 @@ def test_fix_states_through_vllm_metadata(tiny_model_dir: Path, num_spec: int) -
     check_against_split(scenario, exports, outs)
 
 
+# -- one read and one plan per KV cache group and step ------------------------------
+def interleaved_groups(
+    model_dir: Path, num_spec: int, step_checkpoints: object | None = None
+) -> tuple[list[Scenario], list[list[torch.Tensor]], list[object]]:
+    """Two KV cache groups in one step, their layers interleaved as vLLM places them
+    (``layers[i::num_groups]``: group 0, group 1, group 0): group 0 a batch of two
+    prefills and a short one, group 1 (blocks and metadata of its own) one prefill,
+    whose pieces tile its tokens. Returns the scenarios (group 0's first layer in
+    ``scenario.layer``), the outputs of the three layers and the two metadata objects."""
+    groups = [
+        Scenario(model_dir, [Row(0, 230), Row(3 * UNIT, 3 * UNIT + 40), Row(0, 40)], num_spec, 21),
+        Scenario(model_dir, [Row(0, 230)], num_spec, 22),
+    ]
+    twin = groups[0].layer.clone()  # group 0's second layer: same weights and blocks
+    twin.prefix = "model.layers.2.linear_attn"
+    spec = mamba_spec(num_spec, checkpoints=True)
+    metadata = [build_metadata(g.config, spec, g.rows, g.tables, num_spec) for g in groups]
+    outs = [
+        run_layer(layer, metadata[g], groups[g].requests, groups[g].rows)
+        for g, layer in ((0, groups[0].layer), (1, groups[1].layer), (0, twin))
+    ]
+    for a, b in zip(twin.kv_cache, groups[0].layer.kv_cache, strict=True):
+        assert torch.equal(a, b), "group 0's second layer: blocks differ from its first's"
+    return groups, outs, metadata
+
+
 @pytest.mark.parametrize("num_spec", [0, 1])
-def test_every_layer_of_a_step_exports_the_same(tiny_model_dir: Path, num_spec: int) -> None:
-    """The GDN layers of one KV cache group run a step on one metadata object:
-    the first layer reads the checkpoints and plans the pieces, the others reuse
-    that plan. Each later layer (same weights, same initial blocks) must end bit
-    for bit as the first, which is checked against the split schedule; the next
-    step, another batch, plans anew."""
-    for seed, rows in enumerate(
-        [[Row(0, 230), Row(3 * UNIT, 3 * UNIT + 40)], [Row(0, 40), Row(0, 300), Row(0, 90)]]
-    ):
-        scenario = Scenario(tiny_model_dir, rows, num_spec, seed=13 + seed)
-        twins = tuple(scenario.layer.clone() for _ in range(2))
-        for k, twin in enumerate(twins):
-            twin.prefix = f"model.layers.{k + 1}.linear_attn"
-        outs, exports = scenario.run_internal(twins=twins)
+def test_each_group_reads_and_plans_once_per_step(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, num_spec: int
+) -> None:
+    """The checkpoints are read, and the pieces planned, once per metadata object
+    (a KV cache group's step), even with the groups' layers interleaved; each
+    group's exports equal the split schedule, and a layer that reuses its group's
+    plan ends bit for bit as the layer that made it."""
+    reads: list[object] = []
+    plans: list[list] = []
+    real_read, real_plan = gdn_cpu._prefill_checkpoints, gdn_cpu._piece_calls
+
+    def read(checkpoint: object, *rows: int) -> object:
+        reads.append(checkpoint)
+        return real_read(checkpoint, *rows)
+
+    def plan(*args: object) -> list:
+        plans.append(real_plan(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(gdn_cpu, "_prefill_checkpoints", read)
+    monkeypatch.setattr(gdn_cpu, "_piece_calls", plan)
+    groups, outs, metadata = interleaved_groups(tiny_model_dir, num_spec)
+    assert list(map(id, reads)) == [id(m.checkpoint) for m in metadata]  # type: ignore[attr-defined]
+    assert len(plans) == 3 and plans[2] is plans[0] and plans[1] is not plans[0]
+    assert len(plans[1]) == 2 and all(call.run is not None for call in plans[1])
+    assert all(map(torch.equal, outs[2], outs[0])), "group 0's second layer: outputs differ"
+    for group, group_outs, meta in zip(groups, outs[:2], metadata, strict=True):
+        exports = builder_exports(meta)
         assert exports, "no row has a checkpoint: the step tests nothing"
-        check_against_split(scenario, exports, outs)
-        for twin in twins:
-            assert all(map(torch.equal, twin.outputs, outs)), f"{twin.prefix}: outputs differ"
-            for mine, first in zip(twin.kv_cache, scenario.layer.kv_cache, strict=True):
-                assert torch.equal(mine, first), f"{twin.prefix}: blocks differ from the first's"
+        check_against_split(group, exports, group_outs)
 
 
-def test_a_stale_piece_plan_fails_the_check(
+def test_a_read_kept_past_its_metadata_fails_the_check(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plan reuse is checked: a plan kept past its step (here the first
-    step's, served to every later call) is caught by the test above."""
-    real, kept = gdn_cpu._piece_calls, []
+    """The read is kept on its metadata object for a reason: kept per row layout
+    alone (one step's read served to the next step, or to another group with the
+    same rows), group 1 writes its exports into group 0's blocks, and the check
+    catches it."""
+    kept: dict[tuple[int, int], object] = {}
+    real = gdn_cpu._prefill_checkpoints
 
-    def stale(*args: object) -> list:
-        kept[:] = kept or [real(*args)]
-        return kept[0]
+    def by_rows_only(checkpoint: object, first_row: int, num_rows: int) -> object:
+        if checkpoint is None:
+            return None
+        if (first_row, num_rows) not in kept:
+            kept[(first_row, num_rows)] = real(checkpoint, first_row, num_rows)
+        return kept[(first_row, num_rows)]
 
-    monkeypatch.setattr(gdn_cpu, "_piece_calls", stale)
-    with pytest.raises(AssertionError):
-        test_every_layer_of_a_step_exports_the_same(tiny_model_dir, 1)
+    monkeypatch.setattr(gdn_cpu, "_step_checkpoints", by_rows_only)
+    groups = [Scenario(tiny_model_dir, [Row(0, 230)], 1, seed) for seed in (31, 32)]
+    spec = mamba_spec(1, checkpoints=True)
+    for group in groups:
+        meta = build_metadata(group.config, spec, group.rows, group.tables, 1)
+        outs = run_layer(group.layer, meta, group.requests, group.rows)
+    with pytest.raises(AssertionError, match="row 0: checkpoint recurrent state at offset 208"):
+        check_against_split(groups[1], builder_exports(meta), outs)
 
 
 def test_fix_state_at_a_wrong_position_fails_the_check(
