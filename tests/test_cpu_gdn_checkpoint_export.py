@@ -667,7 +667,7 @@ def test_fix_states_through_vllm_metadata(tiny_model_dir: Path, num_spec: int) -
 
 # -- one read and one plan per KV cache group and step ------------------------------
 def interleaved_groups(
-    model_dir: Path, num_spec: int, step_checkpoints: object | None = None
+    model_dir: Path, num_spec: int
 ) -> tuple[list[Scenario], list[list[torch.Tensor]], list[object]]:
     """Two KV cache groups in one step, their layers interleaved as vLLM places them
     (``layers[i::num_groups]``: group 0, group 1, group 0): group 0 a batch of two
