@@ -131,6 +131,10 @@ def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
     cached = by_kind["cached_B"]
     assert cached["cached_tokens"] == want and cached["hit_ok"]
     assert cached["metrics_hits"] == want  # /metrics agrees with the usage field
+    for row in rows:
+        # vLLM's own times of this very request: inside the client's TTFT, which also
+        # holds the HTTP round trip and the API server's share.
+        assert 0 < row["engine_prefill_s"] <= row["server_ttft_s"] <= row["ttft_s"], row
     assert by_kind["cold_A"]["cached_tokens"] == 0
     assert by_kind["cold_B"]["cached_tokens"] == 0  # after /reset_prefix_cache
     RESUMED[shared] = cached

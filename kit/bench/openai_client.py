@@ -12,6 +12,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from kit.loopback import urlopen
 
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+# vLLM's own per-request times, as histograms: the engine's prefill time (from the
+# step that schedules the request to the output carrying its first token, both
+# stamped in the engine core) and the API server's TTFT (from the request's arrival
+# there). The bench sends one request at a time, so a histogram's _sum moved by one
+# _count between two readings is that request's time.
+ENGINE_TIMES = {
+    "engine_prefill_s": "vllm:request_prefill_time_seconds",
+    "server_ttft_s": "vllm:time_to_first_token_seconds",
+}
 
 
 class MetricsError(RuntimeError):
@@ -138,8 +147,41 @@ def parse_counters(text: str) -> dict[str, float]:
 
 
 def counters(base_url: str) -> dict[str, float]:
+    return parse_counters(metrics_text(base_url))
+
+
+def metrics_text(base_url: str) -> str:
     with urlopen(base_url + "/metrics", timeout=30) as resp:
-        return parse_counters(resp.read().decode())
+        return resp.read().decode()
+
+
+def parse_engine_times(text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of every histogram in ``ENGINE_TIMES``, summed over label sets,
+    keyed by the bench's field name; a histogram the server does not export is left out."""
+    wanted = {
+        f"{metric}{part}": (field, i)
+        for field, metric in ENGINE_TIMES.items()
+        for i, part in enumerate(("_sum", "_count"))
+    }
+    totals: dict[str, list[float]] = {}
+    for name, _, value in samples(text):
+        if name in wanted:
+            field, i = wanted[name]
+            totals.setdefault(field, [0.0, 0.0])[i] += value
+    return {field: (t[0], t[1]) for field, t in totals.items()}
+
+
+def one_request_times(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float | None]:
+    """Each ``ENGINE_TIMES`` field's time for the one request between two readings,
+    or None where the histogram did not move by exactly one observation."""
+    out: dict[str, float | None] = {}
+    for field in ENGINE_TIMES:
+        b, a = before.get(field), after.get(field)
+        one = b is not None and a is not None and a[1] - b[1] == 1
+        out[field] = a[0] - b[0] if one else None
+    return out
 
 
 def parse_cache_config_info(text: str) -> dict[str, int]:

@@ -16,7 +16,7 @@ from tabulate import tabulate
 
 from kit import bundle
 from kit.bench import step_log
-from kit.bench.ttft_stats import pooled_table, ratio_text, table, unpaused_lines
+from kit.bench.ttft_stats import engine_lines, pooled_table, ratio_text, table, unpaused_lines
 
 
 def manifest_lines(manifest: dict) -> list[str]:
@@ -73,6 +73,7 @@ def render(bundles: list[Path]) -> str:
             tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
             *unpaused_lines(report),
+            *engine_lines(report),
             *step_log.lines(report.get("engine_steps")),
             f"Oracle: {report['oracle']}",
             "",

@@ -82,6 +82,8 @@ from kit.bench.ttft import (
 )
 from kit.bench.ttft_stats import (
     distinct_cold_answers,
+    engine_lines,
+    engine_pooled,
     failures,
     host_pauses,
     oracle_summary,
@@ -521,6 +523,7 @@ def markdown(report: dict) -> str:
             tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
             "",
             *unpaused_lines(report),
+            *engine_lines(report),
             *step_log.lines(report.get("engine_steps")),
             f"Correctness oracle (cached B vs cold B): verdicts {oracle_part['verdicts']}; "
             f"max |first-position log-prob diff| {oracle_part['max_first_logprob_diff']:.2e} "
@@ -769,6 +772,7 @@ def run(
         "ratio_method": ratio_method(),
         "host_pauses": pauses,
         "pooled_ratios_unpaused": pooled_ratios(rows, drop_paused=True) if pauses else None,
+        "pooled_ratios_engine_prefill": engine_pooled(rows),
         "oracle": oracle_summary(rows, args.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(args, servers, tree_records),

@@ -16,7 +16,10 @@ from kit.bench.openai_client import (
     RequestError,
     cache_config_info,
     complete,
-    counters,
+    metrics_text,
+    one_request_times,
+    parse_counters,
+    parse_engine_times,
     reset_prefix_cache,
 )
 from kit.bench.serve import Server
@@ -46,11 +49,12 @@ def measure(
     shared: int,
     max_tokens: int = 4,
 ) -> dict:
-    before = counters(server.url)
+    text = metrics_text(server.url)
+    before, times_before = parse_counters(text), parse_engine_times(text)
     steal_before = steal_s()
     done = complete(server.url, SERVED_NAME, prompt, max_tokens)
     stolen = stolen_between(steal_before, steal_s())
-    after = counters(server.url)
+    after, times = settled_metrics(server, times_before)
     return {
         "tree": tree,
         "rep": rep,
@@ -70,7 +74,26 @@ def measure(
         "token_ids": done.token_ids,
         "logprobs": done.logprobs,
         "top_logprobs": done.top_logprobs,
+        # vLLM's own times for this request (``ENGINE_TIMES``): None where unknown.
+        **times,
     }
+
+
+METRICS_SETTLE = (0.0, 0.005, 0.02, 0.05, 0.1, 0.2)
+
+
+def settled_metrics(server: Server, times_before: dict) -> tuple[dict, dict]:
+    """The counters and the request's own times after it ended. The API server
+    observes a request's times while it streams the last chunk, so a reading at
+    once can miss them; it reads again, briefly, until each histogram the server
+    exports moved."""
+    for wait in METRICS_SETTLE:
+        time.sleep(wait)
+        text = metrics_text(server.url)
+        times = one_request_times(times_before, parse_engine_times(text))
+        if all(times[field] is not None for field in times_before):
+            break
+    return parse_counters(text), times
 
 
 def bench_case(geo: Geometry, shared: int) -> Case:

@@ -82,7 +82,10 @@ def paired_ratios(rows: list[dict], key: str, drop_paused: bool = False) -> list
     return sorted(
         p["patched"][key] / p["unpatched"][key]
         for p in pairs.values()
-        if len(p) == 2 and not (drop_paused and any(map(paused, p.values())))
+        if len(p) == 2
+        # A row from before the kit recorded ``key``, or a time vLLM did not report.
+        and all(side.get(key) for side in p.values())
+        and not (drop_paused and any(map(paused, p.values())))
     )
 
 
@@ -128,20 +131,20 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[low] + (pos - low) * (ordered[high] - ordered[low])
 
 
-def pooled_ratios(rows: list[dict], drop_paused: bool = False) -> list[dict]:
-    """The paired ratios of the request kinds in ``POOLED``, over every S (and turn);
-    ``drop_paused``: only the pairs the host did not pause."""
+def pooled_ratios(rows: list[dict], drop_paused: bool = False, key: str = "ttft_s") -> list[dict]:
+    """The paired ratios of ``key`` for the request kinds in ``POOLED``, over every S
+    (and turn); ``drop_paused``: only the pairs the host did not pause."""
     out = []
     for group, kinds in POOLED:
         sel = [r for r in rows if r["kind"] in kinds]
-        if not sel or not paired_ratios(sel, "ttft_s", drop_paused):
+        if not sel or not paired_ratios(sel, key, drop_paused):
             continue
         out.append(
             {
                 "group": group,
                 "kinds": list(kinds),
                 "S": sorted({r["S"] for r in sel}),
-                **paired_ratio(sel, "ttft_s", drop_paused),
+                **paired_ratio(sel, key, drop_paused),
             }
         )
     return out
@@ -214,6 +217,33 @@ def unpaused_lines(report: dict) -> list[str]:
             tabulate(body, headers=headers, tablefmt="github"),
         ]
     return [*lines, ""]
+
+
+ENGINE_KEY = "engine_prefill_s"
+
+
+def engine_pooled(rows: list[dict]) -> list[dict] | None:
+    """The pooled ratios of vLLM's own prefill time (``openai_client.ENGINE_TIMES``),
+    or None where no row has it (a bundle from before the kit recorded it)."""
+    return pooled_ratios(rows, key=ENGINE_KEY) or None
+
+
+def engine_lines(report: dict) -> list[str]:
+    """The pooled table of the engine's own prefill time, where the run has it."""
+    from tabulate import tabulate
+
+    pooled = report.get("pooled_ratios_engine_prefill")
+    if not pooled:
+        return []
+    headers, body = pooled_table(pooled)
+    return [
+        "The same pairs timed by vLLM itself (request_prefill_time: from the engine step "
+        "that schedules the request to the output with its first token, both stamped in "
+        "the engine core; no HTTP, API server or IPC time in it):",
+        "",
+        tabulate(body, headers=headers, tablefmt="github"),
+        "",
+    ]
 
 
 def table(summary: list[dict]) -> tuple[list[str], list[list]]:
