@@ -185,7 +185,38 @@ def record_environment(bundle: Path, python: str = sys.executable) -> dict:
             noted[name] = f"{ENVIRONMENT}/{name}"
         else:
             noted[name] = f"not recorded: exit {done.returncode}: {done.stderr.strip()[-200:]}"
+    noted["cpu_kernels"] = cpu_kernels(python)
     return noted
+
+
+# What the vector ISA decides on an x86 CPU: torch's kernels, and which of the
+# CPU wheel's three libraries vLLM imports (vllm/platforms/cpu.py import_kernels).
+# vLLM's CPU GDN chunk kernel without AVX-512 runs ~50x slower (the kit's build
+# machines, measured: 12 ms for a 56-token prefill per layer against 0.25 ms), so
+# every TTFT in a bundle depends on it.
+CPU_KERNELS_PROBE = """
+import json, platform, torch
+cpu = torch.cpu
+avx512 = cpu._is_avx512_supported()
+lib = ("_C" if cpu._is_avx512_bf16_supported() else "_C_AVX512") if avx512 else "_C_AVX2"
+x86 = platform.machine() in ("x86_64", "AMD64")
+print(json.dumps({"torch_capability": torch.backends.cpu.get_cpu_capability(),
+                  "vllm_library": f"vllm.{lib}" if x86 else "vllm._C"}))
+"""
+
+
+def cpu_kernels(python: str = sys.executable) -> dict | str:
+    """The CPU kernels ``python``'s torch and vLLM use here (``CPU_KERNELS_PROBE``),
+    or why that is not known."""
+    try:
+        done = subprocess.run(
+            [python, "-c", CPU_KERNELS_PROBE], capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"not recorded: {exc}"
+    if done.returncode != 0:
+        return f"not recorded: exit {done.returncode}: {done.stderr.strip()[-200:]}"
+    return json.loads(done.stdout)
 
 
 def load(bundle: Path) -> dict:

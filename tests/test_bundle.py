@@ -24,6 +24,20 @@ def test_the_environment_is_recorded(tmp_path: Path) -> None:
     assert collect == "environment/collect-env.txt" or collect.startswith("not recorded: ")
     if collect.startswith("environment/"):
         assert "PyTorch version" in (tmp_path / collect).read_text()
+    # The vector ISA every TTFT of the run scales with.
+    kernels = noted["cpu_kernels"]
+    assert kernels["torch_capability"], kernels
+    assert kernels["vllm_library"] in ("vllm._C", "vllm._C_AVX512", "vllm._C_AVX2"), kernels
+    x86_avx2 = kernels["torch_capability"] == "AVX2"
+    assert (kernels["vllm_library"] == "vllm._C_AVX2") == x86_avx2
+
+
+def test_cpu_kernels_of_a_python_without_torch_say_why(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    noted = bundle.cpu_kernels(str(fake))
+    assert noted.startswith("not recorded: exit 1") and "torch" in noted
 
 
 def test_a_failed_run_says_why_with_its_schema(tmp_path: Path) -> None:

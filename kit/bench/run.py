@@ -480,6 +480,19 @@ def model_label(record: dict) -> str:
     return f"tiny {record.get('arch', 'qwen3_next')} (CPU default)"
 
 
+def kernels_line(report: dict) -> list[str]:
+    """The CPU kernels the run's environment used (``bundle.cpu_kernels``), where known."""
+    kernels = (report["run"].get("environment") or {}).get("cpu_kernels")
+    if not isinstance(kernels, dict):
+        return []
+    return [
+        f"CPU kernels: torch {kernels['torch_capability']}, {kernels['vllm_library']} "
+        "(without AVX-512 vLLM's CPU GDN kernel is ~50x slower: every TTFT here scales "
+        "with it).",
+        "",
+    ]
+
+
 def servers_line(schedule: dict | None) -> str:
     if not schedule:
         return "Servers: both at once, the trees interleaved per repetition (A B, then B A)."
@@ -515,6 +528,7 @@ def markdown(report: dict) -> str:
             "",
             servers_line(report.get("one_server")),
             "",
+            *kernels_line(report),
             tabulate(body, headers=headers, tablefmt="github"),
             "",
             "Pooled over every S (ratios of the same repetition, S and request; "
