@@ -83,10 +83,10 @@ METRICS_SETTLE = (0.0, 0.005, 0.02, 0.05, 0.1, 0.2)
 
 
 def settled_metrics(server: Server, times_before: dict) -> tuple[dict, dict]:
-    """The counters and the request's own times after it ended. The API server
-    observes a request's times while it streams the last chunk, so a reading at
-    once can miss them; it reads again, briefly, until each histogram the server
-    exports moved."""
+    """The counters and the request's own times after it ended. vLLM's API server
+    records a step's stats after it hands that step's outputs to the streams
+    (``AsyncLLM`` output handler, yielding between), so a reading at once can miss
+    them; it reads again, briefly, until each histogram the server exports moved."""
     for wait in METRICS_SETTLE:
         time.sleep(wait)
         text = metrics_text(server.url)
