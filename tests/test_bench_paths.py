@@ -268,10 +268,11 @@ def no_server(monkeypatch) -> None:
         return Completion(0.01, 0, len(prompt), [7] * max_tokens, [-0.1] * max_tokens, [{7: -0.1}])
 
     monkeypatch.setattr(ttft, "complete", complete)
+    # A /metrics with the counters and without vLLM's time histograms.
     monkeypatch.setattr(
         ttft,
-        "counters",
-        lambda url: {"vllm:prefix_cache_hits_total": 0, "vllm:prefix_cache_queries_total": 0},
+        "metrics_text",
+        lambda url: "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 0\n",
     )
     monkeypatch.setattr(ttft, "reset_prefix_cache", lambda url: None)
     monkeypatch.setattr(ttft, "IDLE_GAP_S", 0)
@@ -286,6 +287,8 @@ def test_every_row_carries_its_path(path: str, no_server) -> None:
     assert kinds == {"cold_A", "cached_B", "repeat_B", "cold_B", "turn1", "turn2", "turn3", "turn4"}
     assert len(rows) == 2 * len(kinds)
     assert {r["path"] for r in rows} == {path}
+    # No histograms to read: no engine time, and no wait for one.
+    assert all(r["engine_prefill_s"] is None for r in rows)
 
 
 def test_the_served_geometry_says_its_regime(monkeypatch) -> None:
