@@ -167,3 +167,33 @@ def test_figure_titles_name_the_path_and_the_interval() -> None:
     assert spread(ratio) == "[95% CI 0.97-1.04]"
     assert spread({k: v for k, v in ratio.items() if k != "ci95"}) == "(min-max 0.80-1.30)"
     assert path_label("internal") == ", internal checkpoints" and path_label(None) == ""
+
+
+def test_bench_md_and_the_report_show_the_same_result_blocks(bundle: Path) -> None:
+    # Both writers take their tables and notes from md_blocks; a block added to
+    # one shows up in the other.
+    from kit.bench import md_blocks
+    from kit.bench import run as bench
+
+    loaded = bundle_module.load(bundle)
+    written, rendered = bench.markdown(loaded), report.render([bundle])
+    for line in md_blocks.result_blocks(loaded, "caption") + md_blocks.kernels_line(loaded):
+        if line and line != "caption":
+            assert line in written and line in rendered, line
+
+
+def _with_kernels(kernels: object) -> dict:
+    return {"run": {"environment": {"cpu_kernels": kernels}}}
+
+
+def test_the_kernels_line_warns_only_for_the_slow_library() -> None:
+    from kit.bench.md_blocks import kernels_line
+
+    slow = kernels_line(_with_kernels({"torch_capability": "AVX2", "vllm_library": "vllm._C_AVX2"}))
+    assert "torch AVX2, vllm._C_AVX2" in slow[0] and "~50x slower" in slow[0]
+    fast = kernels_line(
+        _with_kernels({"torch_capability": "AVX512", "vllm_library": "vllm._C_AVX512"})
+    )
+    assert "vllm._C_AVX512" in fast[0] and "slower" not in fast[0]
+    assert kernels_line(_with_kernels("not recorded: exit 1")) == []
+    assert kernels_line({"run": {}}) == []

@@ -15,8 +15,8 @@ from pathlib import Path
 from tabulate import tabulate
 
 from kit import bundle
-from kit.bench import step_log
-from kit.bench.ttft_stats import engine_lines, pooled_table, ratio_text, table, unpaused_lines
+from kit.bench.md_blocks import kernels_line, result_blocks
+from kit.bench.ttft_stats import ratio_text
 
 
 def manifest_lines(manifest: dict) -> list[str]:
@@ -56,9 +56,7 @@ def render(bundles: list[Path]) -> str:
     reports = [(b.name, bundle.load(b)) for b in bundles]
     out = ["# Hybrid prefix-cache kit: results", ""]
     for name, report in reports:
-        headers, body = table(report["summary"])
         geo = report["geometry"]
-        pooled_headers, pooled_body = pooled_table(report["pooled_ratios"])
         out += [
             f"## {name}",
             "",
@@ -66,15 +64,8 @@ def render(bundles: list[Path]) -> str:
             f"{geo['budget']}); B_phys {geo['block']}, H {geo['unit']}, MTP k={geo['num_spec']}, "
             f"{report['reps']} repetitions; prompt pair: {report['prompt_pair']}.",
             "",
-            tabulate(body, headers=headers, tablefmt="github"),
-            "",
-            "Pooled over every S:",
-            "",
-            tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
-            "",
-            *unpaused_lines(report),
-            *engine_lines(report),
-            *step_log.lines(report.get("engine_steps")),
+            *kernels_line(report),
+            *result_blocks(report, "Pooled over every S:"),
             f"Oracle: {report['oracle']}",
             "",
         ]

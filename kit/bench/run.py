@@ -53,6 +53,7 @@ from pathlib import Path
 
 from kit import bundle
 from kit.bench import one_server, oracle, step_log
+from kit.bench.md_blocks import kernels_line, result_blocks
 from kit.bench.openai_client import MetricsError, RequestError
 from kit.bench.serve import Server, ServerError, server_command, server_env, wait_healthy
 from kit.bench.serve_args import (
@@ -82,17 +83,13 @@ from kit.bench.ttft import (
 )
 from kit.bench.ttft_stats import (
     distinct_cold_answers,
-    engine_lines,
     engine_pooled,
     failures,
     host_pauses,
     oracle_summary,
     pooled_ratios,
-    pooled_table,
     ratio_method,
     summarize,
-    table,
-    unpaused_lines,
 )
 from kit.geometry.geometry_model import UNIT, Geometry
 from kit.vllm_tree import mods, pins, trees
@@ -480,19 +477,6 @@ def model_label(record: dict) -> str:
     return f"tiny {record.get('arch', 'qwen3_next')} (CPU default)"
 
 
-def kernels_line(report: dict) -> list[str]:
-    """The CPU kernels the run's environment used (``bundle.cpu_kernels``), where known."""
-    kernels = (report["run"].get("environment") or {}).get("cpu_kernels")
-    if not isinstance(kernels, dict):
-        return []
-    return [
-        f"CPU kernels: torch {kernels['torch_capability']}, {kernels['vllm_library']} "
-        "(without AVX-512 vLLM's CPU GDN kernel is ~50x slower: every TTFT here scales "
-        "with it).",
-        "",
-    ]
-
-
 def servers_line(schedule: dict | None) -> str:
     if not schedule:
         return "Servers: both at once, the trees interleaved per repetition (A B, then B A)."
@@ -506,10 +490,7 @@ def servers_line(schedule: dict | None) -> str:
 
 
 def markdown(report: dict) -> str:
-    from tabulate import tabulate
 
-    headers, body = table(report["summary"])
-    pooled_headers, pooled_body = pooled_table(report["pooled_ratios"])
     oracle_part = report["oracle"]
     problems = report["failures"]
     geo = report["geometry"]
@@ -529,16 +510,11 @@ def markdown(report: dict) -> str:
             servers_line(report.get("one_server")),
             "",
             *kernels_line(report),
-            tabulate(body, headers=headers, tablefmt="github"),
-            "",
-            "Pooled over every S (ratios of the same repetition, S and request; "
-            f"{method['interval']}, {method['resamples']} resamples, seed {method['seed']}):",
-            "",
-            tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
-            "",
-            *unpaused_lines(report),
-            *engine_lines(report),
-            *step_log.lines(report.get("engine_steps")),
+            *result_blocks(
+                report,
+                "Pooled over every S (ratios of the same repetition, S and request; "
+                f"{method['interval']}, {method['resamples']} resamples, seed {method['seed']}):",
+            ),
             f"Correctness oracle (cached B vs cold B): verdicts {oracle_part['verdicts']}; "
             f"max |first-position log-prob diff| {oracle_part['max_first_logprob_diff']:.2e} "
             f"(tolerance {oracle_part['tolerance_first_logprob']}); "
