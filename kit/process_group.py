@@ -34,9 +34,41 @@ def group_members(pgid: int) -> list[int]:
     return sorted(found)
 
 
+def _states(pgid: int) -> list[str]:
+    """The /proc state letter of each live member of a group."""
+    letters = []
+    for pid in group_members(pgid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        letters.append(stat.rsplit(")", 1)[1].split()[0])
+    return letters
+
+
+def pause_group(pgid: int, settle: float = 2.0) -> None:
+    """SIGSTOP every member of the group and wait (up to ``settle`` s) until each
+    has stopped: the signal takes effect asynchronously, and a member still
+    running on the other core would share the machine with whatever comes next."""
+    os.killpg(pgid, signal.SIGSTOP)
+    deadline = time.monotonic() + settle
+    while any(letter not in "Tt" for letter in _states(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def resume_group(pgid: int) -> None:
+    """SIGCONT every member of a group ``pause_group`` stopped."""
+    os.killpg(pgid, signal.SIGCONT)
+
+
 def stop_group(pgid: int, grace: float = 20.0) -> None:
     """SIGTERM the whole group, SIGKILL what is left after ``grace`` s, and wait until
-    no member is alive."""
+    no member is alive. A group the bench paused (SIGSTOP) is continued first: a
+    stopped process does not act on SIGTERM until it runs again."""
+    try:
+        os.killpg(pgid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
         try:
             os.killpg(pgid, sig)

@@ -226,3 +226,44 @@ def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path: Path, monk
     finally:
         taken.close()
     assert [p for p in all_pids(tmp_path) if alive(p)] == []
+
+
+def _state_letter(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_paused_server_stops_whole_and_still_stops_cleanly(tmp_path: Path) -> None:
+    """The bench pauses the tree it is not measuring (SIGSTOP to the server's
+    group): every process of it stops, resumes, and a server left paused (a fault
+    mid-run) still stops on SIGTERM, leaving no process behind."""
+    from kit.bench.serve import Server
+
+    state = tmp_path / "s"
+    state.mkdir()
+    server = Server(
+        "patched",
+        [],
+        tmp_path / "log",
+        command=lambda host, port, args: [
+            sys.executable,
+            "tests/fake_server.py",
+            "--port",
+            str(port),
+            "--state",
+            str(state),
+        ],
+        startup_timeout=300,
+    )
+    with server:
+        assert server.can_pause()
+        pids = [server.process.pid, *(int(p) for p in (state / "pids").read_text().split())]
+        server.pause()
+        assert {_state_letter(p) for p in pids} == {"T"}
+        server.resume()
+        assert "T" not in {_state_letter(p) for p in pids}
+        server.pause()
+    assert group_members(server.process.pid) == []
+    assert [p for p in pids if alive(p)] == []
+    # Stopped by SIGTERM after SIGCONT, not left for SIGKILL: the stand-in's
+    # return code is SIGTERM's.
+    assert server.process.returncode == -signal.SIGTERM

@@ -383,3 +383,66 @@ def test_turn_cost_records_its_path_and_engine_steps() -> None:
         "patched": {"turn1": 10, "turn2": 10},
     }
     assert result["summary"][0]["ratio_wall"]["n"] == 2
+
+
+class _PausableStub:
+    """A server the bench can pause: records whether it is running."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.url = f"http://{name}"
+        self.running = True
+        self.log = log
+
+    def can_pause(self) -> bool:
+        return True
+
+    def pause(self) -> None:
+        self.running = False
+
+    def resume(self) -> None:
+        self.running = True
+
+
+def test_the_trees_take_turns_request_by_request_the_other_paused(monkeypatch) -> None:
+    """Where the kit runs both servers, each request kind's pair runs back to back
+    (A B, then B A the next repetition) and only the measured server runs."""
+    log: list[tuple[str, bool, int]] = []
+    servers = {tree: _PausableStub(tree, log) for tree in ttft.TREES}
+
+    def complete(url, model, prompt, max_tokens, **_):
+        tree = url.removeprefix("http://")
+        others_running = any(s.running for t, s in servers.items() if t != tree)
+        log.append((tree, servers[tree].running and not others_running, len(prompt)))
+        return Completion(0.01, 0, len(prompt), [7] * max_tokens, [-0.1] * max_tokens, [{7: -0.1}])
+
+    monkeypatch.setattr(ttft, "complete", complete)
+    monkeypatch.setattr(
+        ttft,
+        "metrics_text",
+        lambda url: "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 0\n",
+    )
+    monkeypatch.setattr(ttft, "reset_prefix_cache", lambda url: None)
+    # Pausing replaces the idle gap: no sleep of that length may happen.
+    slept: list[float] = []
+    monkeypatch.setattr(ttft.time, "sleep", slept.append)
+    geo = Geometry(2048, 16, 1, 8192, "internal-1")
+    assert ttft.pausable(servers)
+    rows = ttft.interleaved(servers, geo, reps=2, shared=[1007], tolerance=0.03)
+
+    assert all(alone for _, alone, _ in log)  # every request, wake-ups included
+    assert ttft.IDLE_GAP_S not in slept
+    kinds = ["cold_A", "cached_B", "repeat_B", "cold_B", "turn1", "turn2", "turn3", "turn4"]
+    for rep, order in ((0, list(ttft.TREES)), (1, list(ttft.TREES)[::-1])):
+        got = [(r["tree"], r["kind"]) for r in rows if r["rep"] == rep]
+        assert got == [(tree, kind) for kind in kinds for tree in order]
+    # The cached B's verdict is still judged against its own tree's cold B.
+    assert all("oracle" in r for r in rows if r["kind"] == "cached_B")
+    assert all(s.running for s in servers.values())  # left running for stop()
+
+
+def test_servers_reached_by_url_take_turns_a_repetition_at_a_time(no_server) -> None:
+    servers = {tree: _Stub() for tree in ttft.TREES}
+    assert not ttft.pausable(servers)
+    geo = Geometry(2048, 16, 1, 8192, "internal-1")
+    rows = ttft.interleaved(servers, geo, reps=1, shared=[1007], tolerance=0.03)
+    assert [r["tree"] for r in rows] == [ttft.TREES[0]] * 8 + [ttft.TREES[1]] * 8

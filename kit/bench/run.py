@@ -12,7 +12,10 @@ the run fails, naming the tree, S and repetition (``--record-only`` records
 instead).
 Isolation: every repetition uses a fresh context (new token ids), so one
 repetition cannot warm the next. Servers are interleaved A B A B … with the
-order swapped every repetition; one warm-up repetition is excluded.
+order swapped every repetition; one warm-up repetition is excluded. Where the
+kit runs both servers, the trees take turns request by request (each request
+kind's pair a fraction of a second apart), the idle server paused with SIGSTOP
+so it takes no CPU; servers reached by URL take turns a repetition at a time.
 ``--one-server``: one server at a time, the trees in alternating blocks of
 repetitions (A B B A; ``kit/bench/one_server.py``), for a box that cannot hold
 two servers of the model.
@@ -78,6 +81,7 @@ from kit.bench.ttft import (
     geometry_from,
     interleaved,
     one_tree,
+    pausable,
     reported_geometry,
     served_geometry,
 )
@@ -477,7 +481,12 @@ def model_label(record: dict) -> str:
     return f"tiny {record.get('arch', 'qwen3_next')} (CPU default)"
 
 
-def servers_line(schedule: dict | None) -> str:
+def servers_line(schedule: dict | None, pairing: str | None = None) -> str:
+    if not schedule and pairing == "request":
+        return (
+            "Servers: both at once, the trees taking turns request by request (A B, then "
+            "B A the next repetition), the idle server paused (SIGSTOP) meanwhile."
+        )
     if not schedule:
         return "Servers: both at once, the trees interleaved per repetition (A B, then B A)."
     sessions = " ".join(
@@ -507,7 +516,7 @@ def markdown(report: dict) -> str:
             f"step budget {geo['budget']}; block {geo['block']}, H {geo['unit']}, "
             f"MTP k={geo['num_spec']}; {env or 'no checkpoint variable'}).",
             "",
-            servers_line(report.get("one_server")),
+            servers_line(report.get("one_server"), report.get("pairing")),
             "",
             *kernels_line(report),
             *result_blocks(
@@ -710,6 +719,7 @@ def run(
     tree_records = {tree: found.mods_record() for tree, found in pinned.items()}
     progress = lambda work: tqdm(work, desc="repetitions x geometries", unit="pair")  # noqa: E731
     schedule = None
+    pairing = None  # the interleaved run's turn-taking (``ttft.interleaved``)
     if args.session:
         return measure_session(args, out, base, patched_extra, env, num_spec, budget, progress)
     if args.merge_sessions:
@@ -733,6 +743,7 @@ def run(
             servers = start_servers(stack, args, base, patched_extra, env, out, pinned)
             geo = served_geometry(servers, num_spec, budget, regime)
             check_block(args, geo)
+            pairing = "request" if pausable(servers) else "repetition"
             rows = interleaved(servers, geo, args.reps, args.shared, args.tolerance, progress)
     summary = summarize(rows)
     pauses = host_pauses(rows)
@@ -775,6 +786,8 @@ def run(
     }
     if schedule is not None:
         report["one_server"] = schedule
+    if pairing is not None:
+        report["pairing"] = pairing
     # The environment that ran the servers: started here, this one; in images,
     # the client's (the same image as the patched server).
     report["run"]["environment"] = bundle.record_environment(out)

@@ -16,11 +16,12 @@ import threading
 import time
 import urllib.error
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit.loopback import urlopen
-from kit.process_group import ProcessGroupError, stop_group
+from kit.process_group import ProcessGroupError, pause_group, resume_group, stop_group
 from kit.vllm_tree.trees import Tree
 
 PORT_IN_USE = "Address already in use"
@@ -177,6 +178,28 @@ class Server:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def can_pause(self) -> bool:
+        """Whether ``pause`` can stop this server: only a server whose process group
+        the kit started (not one it reaches by URL, e.g. in a container)."""
+        return self.url_override is None and self.alive()
+
+    def pause(self) -> None:
+        """Stop the whole server (API server, engine core, workers) with SIGSTOP, so
+        it takes no CPU while the other tree is measured; ``resume`` continues it.
+        A server that already exited is left alone: its next request says so."""
+        with self._lock:
+            if self._stopping or self.process is None:
+                return
+            with suppress(ProcessLookupError):
+                pause_group(self.process.pid)
+
+    def resume(self) -> None:
+        with self._lock:
+            if self.process is None:
+                return
+            with suppress(ProcessLookupError):
+                resume_group(self.process.pid)
 
     def stop(self, grace: float = 20.0) -> None:
         """Stop the whole process tree, also when the API server itself already exited

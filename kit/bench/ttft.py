@@ -101,14 +101,17 @@ def bench_case(geo: Geometry, shared: int) -> Case:
     return Case(geo, shared, 1)
 
 
-def run_pair(
+def pair_requests(
     server: Server,
     tree: str,
     rep: int,
     shared: int,
     geo: Geometry,
     tolerance: float = oracle.DEFAULT_TOLERANCE,
-) -> list[dict]:
+) -> Iterator[dict]:
+    """The A/B pair on one server, one measured request per row yielded as it is
+    measured (so two servers can take turns request by request). The cached B's
+    oracle verdict is added to its row when cold B is in, before cold B is yielded."""
     ctx = context(rep, shared, "pair")
     a = ctx + [PROBE_TOKEN]
     b = ctx + [4000 + i for i in range(TURN_LEN)]
@@ -119,16 +122,13 @@ def run_pair(
     # tree ran) waited about 1 s before its prefill in a third of the
     # repetitions, on either tree; cold A should time the prefill, not that.
     complete(server.url, SERVED_NAME, WAKE_PROMPT, 1)
-    rows = [
-        measure(server, tree, a, "cold_A", 0, rep, shared),
-        measure(server, tree, b, "cached_B", want_b, rep, shared),
-        measure(server, tree, b, "repeat_B", resend, rep, shared),
-    ]
+    yield tag_path([measure(server, tree, a, "cold_A", 0, rep, shared)], geo)[0]
+    cached = measure(server, tree, b, "cached_B", want_b, rep, shared)
+    cached["ideal_cached"] = case.ideal
+    yield tag_path([cached], geo)[0]
+    yield tag_path([measure(server, tree, b, "repeat_B", resend, rep, shared)], geo)[0]
     reset_prefix_cache(server.url)
-    rows.append(measure(server, tree, b, "cold_B", 0, rep, shared))
-    tag_path(rows, geo)
-    rows[1]["ideal_cached"] = case.ideal
-    cold, cached = rows[3], rows[1]
+    cold = tag_path([measure(server, tree, b, "cold_B", 0, rep, shared)], geo)[0]
     verdict = oracle.judge(
         cached["token_ids"],
         cold["token_ids"],
@@ -137,20 +137,37 @@ def run_pair(
         tolerance,
     )
     cached["oracle"] = verdict.as_dict()
-    return rows
+    yield cold
 
 
-def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: Geometry) -> list[dict]:
+def run_pair(
+    server: Server,
+    tree: str,
+    rep: int,
+    shared: int,
+    geo: Geometry,
+    tolerance: float = oracle.DEFAULT_TOLERANCE,
+) -> list[dict]:
+    return list(pair_requests(server, tree, rep, shared, geo, tolerance))
+
+
+def conversation_requests(
+    server: Server, tree: str, rep: int, shared: int, geo: Geometry
+) -> Iterator[dict]:
+    """The 4-turn conversation on one server, a row yielded per turn."""
     prompt = context(rep, shared, "conv") + [4000 + i for i in range(TURN_LEN)]
-    rows, expect = [], 0
+    expect = 0
     for turn in range(4):
         row = measure(
             server, tree, prompt, f"turn{turn + 1}", expect, rep, shared, max_tokens=REPLY_TOKENS
         )
-        rows.append(row)
         expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle)
         prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
-    return tag_path(rows, geo)
+        yield tag_path([row], geo)[0]
+
+
+def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: Geometry) -> list[dict]:
+    return list(conversation_requests(server, tree, rep, shared, geo))
 
 
 def tag_path(rows: list[dict], geo: Geometry) -> list[dict]:
@@ -204,16 +221,79 @@ def interleaved(
     progress=lambda work: work,
 ) -> list[dict]:
     """Every repetition and S on both servers, A B / B A alternating; repetition -1
-    is the warm-up and is not returned."""
+    is the warm-up and is not returned. Where the kit runs both servers' processes
+    (``pausable``) the trees take turns request by request, the idle one paused;
+    otherwise (servers reached by URL) a whole repetition at a time."""
+    by_request = pausable(servers)
     rows: list[dict] = []
     work = [(rep, s) for rep in range(-1, reps) for s in shared]
-    for rep, s in progress(work):
-        order = TREES if rep % 2 == 0 else TREES[::-1]
-        for tree in order:
-            got = measure_rep(servers[tree], tree, rep, s, geo, tolerance)
+    try:
+        for rep, s in progress(work):
+            order = TREES if rep % 2 == 0 else TREES[::-1]
+            if by_request:
+                got = request_by_request(servers, order, rep, s, geo, tolerance)
+            else:
+                got = [
+                    row
+                    for tree in order
+                    for row in measure_rep(servers[tree], tree, rep, s, geo, tolerance)
+                ]
             if rep >= 0:
                 rows += got
+    finally:
+        if by_request:
+            for server in servers.values():
+                server.resume()
     return rows
+
+
+def pausable(servers: dict[str, Server]) -> bool:
+    """Whether every server can be paused (``Server.pause``): stand-ins without the
+    method, and servers the kit reaches only by URL, cannot."""
+    return all(callable(getattr(server, "can_pause", None)) for server in servers.values()) and all(
+        server.can_pause() for server in servers.values()
+    )
+
+
+def request_by_request(
+    servers: dict[str, Server],
+    order: tuple[str, ...] | list[str],
+    rep: int,
+    shared: int,
+    geo: Geometry,
+    tolerance: float,
+) -> list[dict]:
+    """One repetition at one S, the trees taking turns per request (``order``
+    first): each tree's same request runs a fraction of a second after the other's,
+    not a whole repetition (~4 s) later. The other tree's server is paused
+    (SIGSTOP) meanwhile, so it neither busy-polls nor runs anything beside the
+    measured one, and no idle gap is needed."""
+    streams = {
+        tree: _rep_requests(servers[tree], tree, rep, shared, geo, tolerance) for tree in order
+    }
+    rows: list[dict] = []
+    while streams:
+        for tree in list(streams):
+            for other, server in servers.items():
+                if other != tree:
+                    server.pause()
+            servers[tree].resume()
+            with naming(servers[tree]):
+                # Unmeasured: the resumed server's first request of this turn.
+                complete(servers[tree].url, SERVED_NAME, WAKE_PROMPT, 1)
+                row = next(streams[tree], None)
+            if row is None:
+                del streams[tree]
+            else:
+                rows.append(row)
+    return rows
+
+
+def _rep_requests(
+    server: Server, tree: str, rep: int, shared: int, geo: Geometry, tolerance: float
+) -> Iterator[dict]:
+    yield from pair_requests(server, tree, rep, shared, geo, tolerance)
+    yield from conversation_requests(server, tree, rep, shared, geo)
 
 
 def measure_rep(
@@ -226,9 +306,7 @@ def measure_rep(
     # alone, 1.1x).
     time.sleep(IDLE_GAP_S)
     with naming(server):
-        return run_pair(server, tree, rep, shared, geo, tolerance) + run_conversation(
-            server, tree, rep, shared, geo
-        )
+        return list(_rep_requests(server, tree, rep, shared, geo, tolerance))
 
 
 def one_tree(
