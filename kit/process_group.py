@@ -17,9 +17,9 @@ class ProcessGroupError(RuntimeError):
     pass
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, read from /proc."""
-    found = []
+def _member_states(pgid: int) -> dict[int, str]:
+    """Each process of a group and its /proc state letter (zombies included)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -29,21 +29,14 @@ def group_members(pgid: int) -> list[int]:
             continue
         # Fields after the command name, which is in parentheses and may hold spaces.
         fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            found.append(int(entry.name))
-    return sorted(found)
+        if int(fields[2]) == pgid:
+            found[int(entry.name)] = fields[0]
+    return found
 
 
-def _states(pgid: int) -> list[str]:
-    """The /proc state letter of each live member of a group."""
-    letters = []
-    for pid in group_members(pgid):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        letters.append(stat.rsplit(")", 1)[1].split()[0])
-    return letters
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, read from /proc."""
+    return sorted(pid for pid, state in _member_states(pgid).items() if state != "Z")
 
 
 def pause_group(pgid: int, settle: float = 2.0) -> None:
@@ -52,7 +45,10 @@ def pause_group(pgid: int, settle: float = 2.0) -> None:
     running on the other core would share the machine with whatever comes next."""
     os.killpg(pgid, signal.SIGSTOP)
     deadline = time.monotonic() + settle
-    while any(letter not in "Tt" for letter in _states(pgid)) and time.monotonic() < deadline:
+    while (
+        any(state not in "TtZ" for state in _member_states(pgid).values())
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.001)
 
 

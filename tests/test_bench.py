@@ -123,7 +123,7 @@ def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
     # The resolved block: the same on every CPU only because the SSM cache dtype is pinned.
     assert cache_config_info(server.url) == {"block": 2048, "unit": 16}
     shared = 1007  # S mod 16 = 15: the case the fix exists for
-    rows = ttft.run_pair(server, "patched", rep=0, shared=shared, geo=GEO)
+    rows = list(ttft.pair_requests(server, "patched", rep=0, shared=shared, geo=GEO))
     by_kind = {r["kind"]: r for r in rows}
     want = ttft.bench_case(GEO, shared)
     want = expected(want, patched=True).hit
@@ -142,7 +142,7 @@ def test_follow_up_hits_as_the_geometry_predicts(server: Server) -> None:
 
 def test_cached_answer_equals_cold_beyond_the_first_block(server: Server) -> None:
     shared = 2159  # the fix's geometry again, resuming at 2128 in the third block
-    rows = ttft.run_pair(server, "patched", rep=1, shared=shared, geo=GEO)
+    rows = list(ttft.pair_requests(server, "patched", rep=1, shared=shared, geo=GEO))
     cached = next(r for r in rows if r["kind"] == "cached_B")
     assert cached["cached_tokens"] == 2128
     assert cached["oracle"]["verdict"] == "same", cached["oracle"]

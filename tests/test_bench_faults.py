@@ -70,12 +70,38 @@ def all_pids(state: Path) -> list[int]:
     return [int(p) for f in state.glob("*/pids") for p in f.read_text().split()]
 
 
-def alive(pid: int) -> bool:
+def state_letter(pid: int) -> str:
+    """A process's /proc state letter; "" when it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def alive(pid: int) -> bool:
+    return state_letter(pid) not in ("", "Z")
+
+
+def fake_server(tree: str, tmp_path: Path, state: Path):
+    """A kit Server whose command is the stand-in (``tests/fake_server.py``)."""
+    from kit.bench.serve import Server
+
+    state.mkdir()
+    return Server(
+        tree,
+        [],
+        tmp_path / "log",
+        command=lambda host, port, args: [
+            sys.executable,
+            "tests/fake_server.py",
+            "--port",
+            str(port),
+            "--state",
+            str(state),
+        ],
+        startup_timeout=300,
+    )
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -129,24 +155,8 @@ def test_a_dead_server_leaves_no_orphan_and_is_named(tmp_path: Path) -> None:
 
 def test_stop_kills_a_group_whose_leader_already_died(tmp_path: Path) -> None:
     """The orphan case in one process tree, without the bench."""
-    from kit.bench.serve import Server
-
     state = tmp_path / "s"
-    state.mkdir()
-    server = Server(
-        "unpatched",
-        [],
-        tmp_path / "log",
-        command=lambda host, port, args: [
-            sys.executable,
-            "tests/fake_server.py",
-            "--port",
-            str(port),
-            "--state",
-            str(state),
-        ],
-        startup_timeout=300,
-    )
+    server = fake_server("unpatched", tmp_path, state)
     with server:
         pids = [int(p) for p in (state / "pids").read_text().split()]
         os.kill(server.process.pid, signal.SIGKILL)
@@ -204,21 +214,7 @@ def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path: Path, monk
     ports = iter([taken.getsockname()[1], serve.free_port()])
     monkeypatch.setattr(serve, "free_port", lambda: next(ports))
     state = tmp_path / "s"
-    state.mkdir()
-    server = serve.Server(
-        "patched",
-        [],
-        tmp_path / "log",
-        command=lambda host, port, args: [
-            sys.executable,
-            "tests/fake_server.py",
-            "--port",
-            str(port),
-            "--state",
-            str(state),
-        ],
-        startup_timeout=300,
-    )
+    server = fake_server("patched", tmp_path, state)
     try:
         with server:
             assert server.port != taken.getsockname()[1]
@@ -228,39 +224,19 @@ def test_a_port_taken_before_the_server_binds_it_is_retried(tmp_path: Path, monk
     assert [p for p in all_pids(tmp_path) if alive(p)] == []
 
 
-def _state_letter(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 def test_a_paused_server_stops_whole_and_still_stops_cleanly(tmp_path: Path) -> None:
     """The bench pauses the tree it is not measuring (SIGSTOP to the server's
     group): every process of it stops, resumes, and a server left paused (a fault
     mid-run) still stops on SIGTERM, leaving no process behind."""
-    from kit.bench.serve import Server
-
     state = tmp_path / "s"
-    state.mkdir()
-    server = Server(
-        "patched",
-        [],
-        tmp_path / "log",
-        command=lambda host, port, args: [
-            sys.executable,
-            "tests/fake_server.py",
-            "--port",
-            str(port),
-            "--state",
-            str(state),
-        ],
-        startup_timeout=300,
-    )
+    server = fake_server("patched", tmp_path, state)
     with server:
         assert server.can_pause()
         pids = [server.process.pid, *(int(p) for p in (state / "pids").read_text().split())]
         server.pause()
-        assert {_state_letter(p) for p in pids} == {"T"}
+        assert {state_letter(p) for p in pids} == {"T"}
         server.resume()
-        assert "T" not in {_state_letter(p) for p in pids}
+        assert "T" not in {state_letter(p) for p in pids}
         server.pause()
     assert group_members(server.process.pid) == []
     assert [p for p in pids if alive(p)] == []

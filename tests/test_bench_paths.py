@@ -388,10 +388,9 @@ def test_turn_cost_records_its_path_and_engine_steps() -> None:
 class _PausableStub:
     """A server the bench can pause: records whether it is running."""
 
-    def __init__(self, name: str, log: list) -> None:
+    def __init__(self, name: str) -> None:
         self.url = f"http://{name}"
         self.running = True
-        self.log = log
 
     def can_pause(self) -> bool:
         return True
@@ -403,33 +402,29 @@ class _PausableStub:
         self.running = True
 
 
-def test_the_trees_take_turns_request_by_request_the_other_paused(monkeypatch) -> None:
+def test_the_trees_take_turns_request_by_request_the_other_paused(monkeypatch, no_server) -> None:
     """Where the kit runs both servers, each request kind's pair runs back to back
     (A B, then B A the next repetition) and only the measured server runs."""
-    log: list[tuple[str, bool, int]] = []
-    servers = {tree: _PausableStub(tree, log) for tree in ttft.TREES}
+    log: list[tuple[str, bool]] = []
+    servers = {tree: _PausableStub(tree) for tree in ttft.TREES}
+    answer = ttft.complete
 
-    def complete(url, model, prompt, max_tokens, **_):
+    def complete(url, model, prompt, max_tokens, **kw):
         tree = url.removeprefix("http://")
         others_running = any(s.running for t, s in servers.items() if t != tree)
-        log.append((tree, servers[tree].running and not others_running, len(prompt)))
-        return Completion(0.01, 0, len(prompt), [7] * max_tokens, [-0.1] * max_tokens, [{7: -0.1}])
+        log.append((tree, servers[tree].running and not others_running))
+        return answer(url, model, prompt, max_tokens, **kw)
 
     monkeypatch.setattr(ttft, "complete", complete)
-    monkeypatch.setattr(
-        ttft,
-        "metrics_text",
-        lambda url: "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 0\n",
-    )
-    monkeypatch.setattr(ttft, "reset_prefix_cache", lambda url: None)
     # Pausing replaces the idle gap: no sleep of that length may happen.
+    monkeypatch.setattr(ttft, "IDLE_GAP_S", 1.5)
     slept: list[float] = []
     monkeypatch.setattr(ttft.time, "sleep", slept.append)
     geo = Geometry(2048, 16, 1, 8192, "internal-1")
     assert ttft.pausable(servers)
     rows = ttft.interleaved(servers, geo, reps=2, shared=[1007], tolerance=0.03)
 
-    assert all(alone for _, alone, _ in log)  # every request, wake-ups included
+    assert all(alone for _, alone in log)  # every request, wake-ups included
     assert ttft.IDLE_GAP_S not in slept
     kinds = ["cold_A", "cached_B", "repeat_B", "cold_B", "turn1", "turn2", "turn3", "turn4"]
     for rep, order in ((0, list(ttft.TREES)), (1, list(ttft.TREES)[::-1])):

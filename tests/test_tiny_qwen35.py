@@ -162,7 +162,7 @@ def test_follow_up_hits_as_the_geometry_predicts(server: Server, shared: int) ->
     assert reported["unit"] == UNIT
     geo = Geometry(reported["block"], UNIT, 1, serve_args.CPU_BATCHED_TOKENS)
     drafts_before = _spec_decode_drafts(server.url)
-    rows = {r["kind"]: r for r in ttft.run_pair(server, "patched", 0, shared, geo)}
+    rows = {r["kind"]: r for r in ttft.pair_requests(server, "patched", 0, shared, geo)}
     want = expected(ttft.bench_case(geo, shared), patched=True).hit
     assert rows["cold_A"]["cached_tokens"] == 0
     assert rows["cached_B"]["cached_tokens"] == want, (reported, rows["cached_B"])

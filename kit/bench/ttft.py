@@ -140,17 +140,6 @@ def pair_requests(
     yield cold
 
 
-def run_pair(
-    server: Server,
-    tree: str,
-    rep: int,
-    shared: int,
-    geo: Geometry,
-    tolerance: float = oracle.DEFAULT_TOLERANCE,
-) -> list[dict]:
-    return list(pair_requests(server, tree, rep, shared, geo, tolerance))
-
-
 def conversation_requests(
     server: Server, tree: str, rep: int, shared: int, geo: Geometry
 ) -> Iterator[dict]:
@@ -164,10 +153,6 @@ def conversation_requests(
         expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle)
         prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
         yield tag_path([row], geo)[0]
-
-
-def run_conversation(server: Server, tree: str, rep: int, shared: int, geo: Geometry) -> list[dict]:
-    return list(conversation_requests(server, tree, rep, shared, geo))
 
 
 def tag_path(rows: list[dict], geo: Geometry) -> list[dict]:
@@ -250,9 +235,7 @@ def interleaved(
 def pausable(servers: dict[str, Server]) -> bool:
     """Whether every server can be paused (``Server.pause``): stand-ins without the
     method, and servers the kit reaches only by URL, cannot."""
-    return all(callable(getattr(server, "can_pause", None)) for server in servers.values()) and all(
-        server.can_pause() for server in servers.values()
-    )
+    return all(hasattr(server, "can_pause") and server.can_pause() for server in servers.values())
 
 
 def request_by_request(
