@@ -193,7 +193,8 @@ def record_environment(bundle: Path, python: str = sys.executable) -> dict:
 # CPU wheel's three libraries vLLM imports (vllm/platforms/cpu.py import_kernels).
 # vLLM's CPU GDN chunk kernel without AVX-512 runs ~50x slower (the kit's build
 # machines, measured: 12 ms for a 56-token prefill per layer against 0.25 ms), so
-# every TTFT in a bundle depends on it.
+# every TTFT in a bundle depends on it. Where the CPU has AMX tiles, that kernel
+# updates its states with AMX BF16 (torch's brgemm), another code path.
 CPU_KERNELS_PROBE = """
 import json, platform, torch
 cpu = torch.cpu
@@ -201,7 +202,8 @@ avx512 = cpu._is_avx512_supported()
 lib = ("_C" if cpu._is_avx512_bf16_supported() else "_C_AVX512") if avx512 else "_C_AVX2"
 x86 = platform.machine() in ("x86_64", "AMD64")
 print(json.dumps({"torch_capability": torch.backends.cpu.get_cpu_capability(),
-                  "vllm_library": f"vllm.{lib}" if x86 else "vllm._C"}))
+                  "vllm_library": f"vllm.{lib}" if x86 else "vllm._C",
+                  "amx": x86 and cpu._is_amx_tile_supported()}))
 """
 
 

@@ -30,6 +30,7 @@ def test_the_environment_is_recorded(tmp_path: Path) -> None:
     assert kernels["vllm_library"] in ("vllm._C", "vllm._C_AVX512", "vllm._C_AVX2"), kernels
     x86_avx2 = kernels["torch_capability"] == "AVX2"
     assert (kernels["vllm_library"] == "vllm._C_AVX2") == x86_avx2
+    assert isinstance(kernels["amx"], bool), kernels  # AMX tiles: the GDN kernel's other path
 
 
 def test_cpu_kernels_of_a_python_without_torch_say_why(tmp_path: Path) -> None:

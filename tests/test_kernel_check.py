@@ -86,6 +86,8 @@ def test_cpu_ports_match_vllm_triton_kernels(triton_env: Path, tmp_path: Path) -
     for case in by_kind["batch_memcpy"]:
         assert case["buffer"]["bitwise_equal"], case["name"]
     assert sum(c["chunk_states"]["count"] for c in by_kind["gdn"]) >= 5
+    # States inside chunks too, 48 tokens in among them (the bench's later turns).
+    assert sum(c["mid_states"]["count"] for c in by_kind["gdn"]) >= 10
     export_mod = "cpu-gdn-prefill-checkpoint" in trees.select().mods
     for case in by_kind["gdn"]:
         tol = kernel_check.GDN_TOLERANCE
@@ -94,8 +96,12 @@ def test_cpu_ports_match_vllm_triton_kernels(triton_env: Path, tmp_path: Path) -
         if export_mod:
             assert case["export"]["chunk_states"]["max_rel"] <= tol["chunk_states"], case
             assert case["export"]["chunk_states"]["count"] == case["chunk_states"]["count"]
+            if "mid_states" in case:
+                assert case["export"]["mid_states"]["max_rel"] <= tol["chunk_states"], case
         assert case["final_state"]["max_rel"] <= tol["final_state"], case["name"]
         assert case["chunk_states"]["max_rel"] <= tol["chunk_states"], case["name"]
+        if "mid_states" in case:
+            assert case["mid_states"]["max_rel"] <= tol["chunk_states"], case["name"]
         assert case["output"]["max_rel"] <= tol["output"], case["name"]
         # Both stay close to the exact recurrence: the agreement is not two equal mistakes.
         for side in ("triton_vs_float64", "cpu_vs_float64"):
@@ -126,5 +132,8 @@ def test_check_fails_when_a_chunk_state_is_one_token_early(
         # Only the chunk states moved, and far past the tolerance.
         assert case["chunk_states"]["max_rel"] > 10 * tol["chunk_states"], case["name"]
         assert case["final_state"]["max_rel"] <= tol["final_state"], case["name"]
+        # Inside chunks too (measured: 57-98 % of scale).
+        assert case["mid_states"]["max_rel"] > 10 * tol["chunk_states"], case["name"]
         if "export" in case:  # the export, asked for the same wrong positions
             assert case["export"]["chunk_states"]["max_rel"] > 10 * tol["chunk_states"]
+            assert case["export"]["mid_states"]["max_rel"] > 10 * tol["chunk_states"]

@@ -194,6 +194,10 @@ def test_the_kernels_line_warns_only_for_the_slow_library() -> None:
     fast = kernels_line(
         _with_kernels({"torch_capability": "AVX512", "vllm_library": "vllm._C_AVX512"})
     )
-    assert "vllm._C_AVX512" in fast[0] and "slower" not in fast[0]
+    assert "vllm._C_AVX512" in fast[0] and "slower" not in fast[0] and "AMX" not in fast[0]
+    amx = kernels_line(
+        _with_kernels({"torch_capability": "AVX512", "vllm_library": "vllm._C", "amx": True})
+    )
+    assert "torch AVX512, vllm._C, AMX." in amx[0]
     assert kernels_line(_with_kernels("not recorded: exit 1")) == []
     assert kernels_line({"run": {}}) == []

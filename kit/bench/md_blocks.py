@@ -19,6 +19,8 @@ def kernels_line(report: dict) -> list[str]:
     if not isinstance(kernels, dict):
         return []
     line = f"CPU kernels: torch {kernels['torch_capability']}, {kernels['vllm_library']}"
+    if kernels.get("amx"):  # absent from bundles made before the kit recorded it
+        line += ", AMX"
     if kernels["vllm_library"] == SLOW_KERNELS:
         line += (
             " (no AVX-512: vLLM's CPU GDN kernel is ~50x slower here, every TTFT scales "

@@ -19,15 +19,18 @@ same inputs and compares.
     against FLA's ``chunk_gated_delta_rule_fwd`` (the body of
     ``chunk_gated_delta_rule``): final states, the output, and the state at every
     64-token chunk boundary (FLA's ``h``; on the CPU the split schedule: the
-    kernel run on the prefix up to that boundary), on random batches of
-    sequences with random lengths and initial states. Both are also held to a
-    float64 recurrence. Where the tree carries mod ``cpu-gdn-prefill-checkpoint``,
-    its export (one call for the batch, a state written at every boundary) is
-    held to FLA's ``h`` the same way. Tolerances and their reasons: ``GDN_TOLERANCE``.
+    kernel run on the prefix up to that boundary), and the state at positions
+    inside chunks (``GDN_MID_OFFSETS``; FLA runs each such prefix as a sequence
+    of its own), on random batches of sequences with random lengths and initial
+    states. Both are also held to a float64 recurrence. Where the tree carries
+    mod ``cpu-gdn-prefill-checkpoint``, its export (one call for the batch, a
+    state written at every boundary and at every position inside a chunk) is
+    held to FLA's states the same way. Tolerances and their reasons: ``GDN_TOLERANCE``.
 
 ``--perturb`` breaks the CPU side on purpose (``align-bias``: the accepted-token
 bias off by one in the mod's post-copy decision; ``gdn-position``: each chunk
-state taken one token early) to show the check fails.
+state, and each state inside a chunk, taken one token early) to show the check
+fails.
 ``--export DIR`` writes what a GPU machine needs (cases, kernel sources, the
 script) for the compiled kernels: ``TRITON_INTERPRET`` unset, ``--device cuda``.
 
@@ -49,6 +52,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kit import schema
+from kit.bundle import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_SIDE = ROOT / "kit" / "rig" / "kernel_check_triton.py"
@@ -76,6 +80,11 @@ MAX_BLOCKS_PER_REQ = 10
 GDN_HEAD_DIM = 64  # the smallest head size the CPU GDN kernel takes
 GDN_K_HEADS, GDN_V_HEADS = 1, 2  # grouped like Qwen3-Next (v heads = 2 x k heads)
 GDN_CHUNK = 64  # FLA_CHUNK_SIZE
+# States inside a chunk, each row's where it has them (plus one token short of
+# its end): one token in; 48 into the first chunk, where the bench's later turns
+# export the fix's predecessor state; the same in the second chunk. FLA's ``h``
+# holds chunk starts only, so there FLA runs each prefix as a sequence of its own.
+GDN_MID_OFFSETS = (1, 48, GDN_CHUNK + 48)
 
 
 class KernelCheckError(RuntimeError):
@@ -461,32 +470,57 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
     for n in lengths:
         cu.append(cu[-1] + n)
     out, final = _cpu_gdn(q, k, v, g, beta, s0, cu)
+
+    def split_schedule(row: int, end: int) -> Any:
+        """The CPU kernel run on the row's first ``end`` tokens: a chunk ending there."""
+        if end == 0:
+            return s0[row]
+        sl = slice(cu[row], cu[row] + end)
+        _, state = _cpu_gdn(
+            q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s0[row : row + 1], [0, end]
+        )
+        return state[0]
+
+    shift = 1 if perturb == "gdn-position" else 0
     chunk_rows, chunk_states, ref_chunks, ref_final = [], [], [], []
+    mid_states, ref_mids, mid_index, mid_cu, mid_rows = [], [], [], [0], []
     export_offsets: list[list[int]] = []
     offset = 0  # FLA's h is indexed by chunk over the whole batch
     for i, n in enumerate(lengths):
         a = cu[i]
         stops = list(range(GDN_CHUNK, n, GDN_CHUNK))
-        shift = 1 if perturb == "gdn-position" else 0
-        export_offsets.append([stop - shift for stop in stops])
+        mids = sorted({m for m in (*GDN_MID_OFFSETS, n - 1) if 0 < m < n and m % GDN_CHUNK})
+        # The export's states in this order: chunk boundaries, then inside chunks.
+        export_offsets.append([stop - shift for stop in [*stops, *mids]])
         for c, stop in enumerate(stops, start=1):
-            # The split schedule: the CPU kernel run up to the chunk boundary.
-            end = stop - shift
-            sl = slice(a, a + end)
-            _, state = _cpu_gdn(
-                q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s0[i : i + 1], [0, end]
-            )
             chunk_rows.append(offset + c)
-            chunk_states.append(state[0])
+            chunk_states.append(split_schedule(i, stop - shift))
+        for m in mids:
+            mid_states.append(split_schedule(i, m - shift))
+            # FLA's side: the prefix as a sequence of its own (true positions).
+            mid_index.extend(range(a, a + m))
+            mid_cu.append(mid_cu[-1] + m)
+            mid_rows.append(i)
         sl = slice(a, a + n)
-        ref = _float64_states(
-            q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl].float(), s0[i], [*stops, n]
-        )
+        row = (q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl].float(), s0[i])
+        ref = _float64_states(*row, [*stops, n])
         ref_chunks.extend(ref[:-1])
         ref_final.append(ref[-1])
+        ref_mids.extend(_float64_states(*row, mids))
         offset += -(-n // GDN_CHUNK)
     empty = torch.zeros(0, GDN_V_HEADS, d, d)
     exported = _cpu_gdn_export(q, k, v, g, beta, s0, cu, export_offsets)
+    if exported is not None:
+        # Back into chunk-boundary states and states inside chunks.
+        states, at, chunk_part, mid_part = exported.pop("states_kv"), 0, [], []
+        for i, n in enumerate(lengths):
+            per_row = len(export_offsets[i])
+            boundaries = len(range(GDN_CHUNK, n, GDN_CHUNK))
+            chunk_part.extend(states[at : at + boundaries])
+            mid_part.extend(states[at + boundaries : at + per_row])
+            at += per_row
+        exported["states_kv"] = torch.stack(chunk_part) if chunk_part else empty
+        exported["mid_states_kv"] = torch.stack(mid_part) if mid_part else empty
     return {
         "name": name,
         "kind": "gdn",
@@ -501,15 +535,21 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
         "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
         "initial_state_vk": s0.transpose(-1, -2).contiguous(),
         "chunk_rows": torch.tensor(chunk_rows, dtype=torch.int64),
+        # The prefixes ending inside chunks: their tokens, one sequence each.
+        "mid_index": torch.tensor(mid_index, dtype=torch.int64),
+        "mid_cu_seqlens": torch.tensor(mid_cu, dtype=torch.int32),
+        "mid_initial_state_vk": s0[mid_rows].transpose(-1, -2).contiguous() if mid_rows else empty,
         "tolerance": GDN_TOLERANCE,
         "cpu": {
             "final_kv": final,
             "chunk_states_kv": torch.stack(chunk_states) if chunk_states else empty,
+            "mid_states_kv": torch.stack(mid_states) if mid_states else empty,
             "o": out[0].float(),
         },
         "reference": {
             "final_kv": torch.stack(ref_final).float(),
             "chunk_states_kv": torch.stack(ref_chunks).float() if ref_chunks else empty,
+            "mid_states_kv": torch.stack(ref_mids).float() if ref_mids else empty,
         },
     }
 
@@ -578,8 +618,10 @@ def build_cases(perturb: str | None = None, kinds: set[str] | None = None) -> di
         "cpu_port": {
             "vllm": vllm.__version__,
             "tree": _shown(Path(vllm.__file__).parent),
-            # The CPU GDN kernel picks its code path by ISA (AVX-512 BF16, AMX).
+            # The CPU GDN kernel picks its code path by ISA: which of vLLM's
+            # CPU libraries loads (AVX2, AVX-512, AVX-512 BF16) and AMX.
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_kernels": cpu_kernels(),
             "perturb": perturb,
         },
     }
@@ -686,12 +728,19 @@ def summary(result: dict[str, Any]) -> str:
                 f"chunk states ({case['chunk_states']['count']}) rel "
                 f"{case['chunk_states']['max_rel']:.2e}, output rel {case['output']['max_rel']:.2e}"
             )
+            if "mid_states" in case:
+                detail += (
+                    f", inside chunks ({case['mid_states']['count']}) rel "
+                    f"{case['mid_states']['max_rel']:.2e}"
+                )
             if "export" in case:
                 exp = case["export"]
                 detail += (
                     f"; export: chunk states rel {exp['chunk_states']['max_rel']:.2e}, "
                     f"final rel {exp['final_state']['max_rel']:.2e}"
                 )
+                if "mid_states" in exp:
+                    detail += f", inside chunks rel {exp['mid_states']['max_rel']:.2e}"
         else:
             detail = "bit for bit" if case["ok"] else "differs"
         lines.append(f"  {mark} {case['name']}: {detail}")

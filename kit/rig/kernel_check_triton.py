@@ -343,7 +343,25 @@ def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[
         output_final_state=True,
         cu_seqlens=cu,
     )
-    return {"final_vk": final.float().cpu(), "h_vk": h[0].float().cpu(), "o": o[0].float().cpu()}
+    result = {"final_vk": final.float().cpu(), "h_vk": h[0].float().cpu(), "o": o[0].float().cpu()}
+    mid_index = case.get("mid_index")
+    if mid_index is not None and mid_index.numel():
+        # States inside a chunk: each prefix ending there as a sequence of its own,
+        # its final state the state at that position.
+        idx = mid_index.to(device)
+        _, _, _, mid_final, _, _, _ = chunk.chunk_gated_delta_rule_fwd(
+            q=q[:, idx],
+            k=k[:, idx],
+            v=v[:, idx],
+            g=g[:, idx],
+            beta=beta[:, idx],
+            scale=k.shape[-1] ** -0.5,
+            initial_state=case["mid_initial_state_vk"].to(device).contiguous(),
+            output_final_state=True,
+            cu_seqlens=case["mid_cu_seqlens"].to(device),
+        )
+        result["mid_vk"] = mid_final.float().cpu()
+    return result
 
 
 # --------------------------------------------------------------------------
@@ -426,6 +444,14 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         and inter["max_rel"] <= tol["chunk_states"]
         and output["max_rel"] <= tol["output"]
     )
+    mids = out.get("mid_vk")
+    if mids is not None:
+        # States inside chunks: the CPU split schedule against FLA on each prefix.
+        mid_vk = mids.transpose(-1, -2)
+        fields["mid_states"] = {**diff(mid_vk, cpu["mid_states_kv"]), "count": len(mids)}
+        fields["triton_vs_float64"]["mid_states"] = diff(mid_vk, ref["mid_states_kv"])
+        fields["cpu_vs_float64"]["mid_states"] = diff(cpu["mid_states_kv"], ref["mid_states_kv"])
+        ok = ok and fields["mid_states"]["max_rel"] <= tol["chunk_states"]
     if "export" in case:
         # The checkpoint export (one forward call, states written at each chunk
         # boundary) against FLA's h, final states and output.
@@ -436,6 +462,12 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
             "final_state": diff(out["final_vk"].transpose(-1, -2), exp["final_kv"]),
             "output": diff(out["o"], exp["o"]),
         }
+        if mids is not None:
+            exported["mid_states"] = {
+                **diff(mids.transpose(-1, -2), exp["mid_states_kv"]),
+                "count": len(mids),
+            }
+            ok = ok and exported["mid_states"]["max_rel"] <= tol["chunk_states"]
         fields["export"] = exported
         ok = (
             ok
