@@ -363,10 +363,16 @@ def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...
     return tuple(sorted({p for p in wanted if p > 0 and p % case.block}))
 
 
-def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
-    """``lookahead``: tokens each hash covers past its unit (0: the 0.32.0 hashing)."""
-    b, h, s = case.block, case.unit, case.shared
-    lookahead = lookahead if case.eagle else 0
+def producer_states(case: Case, patched: bool, lookahead: int = 0) -> set[int]:
+    """The positions at which producer A leaves a Mamba state in the cache."""
+    return _producer_states(case, patched, lookahead if case.eagle else 0)[2]
+
+
+def _producer_states(
+    case: Case, patched: bool, lookahead: int
+) -> tuple[Prefill, tuple[int, ...], set[int]]:
+    """A's prefill, its published partial Mamba states, and every Mamba state it leaves."""
+    b = case.block
     prefill = producer_prefill(case, patched, lookahead)
     ends = prefill.ends
     cp = _checkpoints(case, patched, lookahead)
@@ -387,6 +393,16 @@ def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
         | set(mamba_partials)
         | set(exported)
     )
+    return prefill, mamba_partials, states
+
+
+def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
+    """``lookahead``: tokens each hash covers past its unit (0: the 0.32.0 hashing)."""
+    h, s = case.unit, case.shared
+    lookahead = lookahead if case.eagle else 0
+    prefill, mamba_partials, states = _producer_states(case, patched, lookahead)
+    ends = prefill.ends
+    b = case.block
     # B's keys match while their lookahead tokens are shared too.
     base = lookahead_ideal(case, lookahead) if lookahead else s // h * h
     block_floor = max(s - lookahead, 0) // b * b

@@ -1,0 +1,80 @@
+"""A context load that itself resumed from a cache hit, and its follow-up.
+
+The grid's producer A starts cold. Here an earlier request R shares A's first
+``pre`` context tokens (a conversation's earlier turn, an agent's earlier
+file), so A resumes from R's state at ``r`` and prefills only the rest. Its
+follow-up B, over the whole context, must then resume where the geometry model
+puts a follow-up of a cold A, or at the highest state R left on the shared
+context below B's full-attention match, where that lies higher: the fix covers
+a resumed context load as it covers a cold one, and without the fix B falls
+back at worst to a state of R. So, for a resumed producer, the fix's states
+save B at most what the producer added beyond R's states: the cost of
+dropping them there ("Open" in the README) is bounded by the producer's new
+tokens, not a block.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kit.geometry.geometry_cases import CONTEXT_BASE, all_cases, follow_up_turn, producer_tail
+from kit.geometry.geometry_model import UNIT, Case, expected, producer_states
+from kit.rig.sched_harness import SchedulerRig
+
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
+
+# R's own tokens after the context it shares with A: a reply and a message.
+R_TAIL = list(range(7001, 7001 + 24))
+
+
+def _fix_matters(case: Case) -> bool:
+    return expected(case, patched=True).hit > expected(case, patched=False).hit
+
+
+# EAGLE cases in which the fix changes B's hit (cold producer), each with R
+# sharing all but about three hash units of A's context (A adds a short turn),
+# or all but a block and a bit (A adds a long document).
+CASES = [
+    pytest.param(case, pre, id=f"{checkpoints}-{cid}-pre{pre}")
+    for checkpoints in ("split", "internal-1")
+    for cid, case in all_cases(checkpoints)
+    if case.eagle and _fix_matters(case)
+    for pre in sorted({case.shared - 3 * UNIT - 5, case.shared - case.block - 7})
+    if pre > 0
+]
+
+
+@pytest.mark.parametrize(("case", "pre"), CASES)
+def test_follow_up_of_a_resumed_producer(
+    tiny_model_dir, tree_is_patched: bool, case: Case, pre: int
+) -> None:
+    context = list(range(CONTEXT_BASE, CONTEXT_BASE + case.shared))
+    rig = SchedulerRig(tiny_model_dir, case.geometry, fix=tree_is_patched)
+    rig.run(context[:pre] + R_TAIL)
+    a = rig.run(context + producer_tail(case.tail))
+    # A is R's follow-up over ``pre`` tokens: the model's hit, from R's state.
+    earlier = Case(case.geometry, pre, len(R_TAIL))
+    before = expected(earlier, patched=tree_is_patched)
+    assert a.hit == before.hit and a.resumed_from_own_prefix()
+    b = rig.run(context + follow_up_turn(case.follow_up))
+    assert b.hit == resumed_follow_up_hit(case, earlier, tree_is_patched), b.hit
+    assert b.resumed_from_own_prefix()
+
+
+def resumed_follow_up_hit(case: Case, earlier: Case, patched: bool) -> int:
+    """B's hit after R (``earlier``: R's context share and tail) and a resumed A.
+
+    A leaves its cold states above its own hit, plus the state at the junction
+    with R (vLLM ends a chunk at the block-floored end of the longest
+    single-group hit, for siblings); R leaves its states on the shared context.
+    B's full-attention match is the longer of the two producers' matches, less
+    one unit under EAGLE; B resumes at the highest state below it.
+    """
+    before = expected(earlier, patched)
+    cold = expected(case, patched)
+    junction = before.fa_eagle // case.block * case.block
+    states = {p for p in producer_states(case, patched) if p > before.hit}
+    states |= {junction} if junction > before.hit else set()
+    states |= {p for p in producer_states(earlier, patched) if p <= earlier.shared}
+    limit = max(cold.fa_eagle, before.fa_eagle)
+    return max((p for p in states if p <= limit), default=0)
