@@ -86,9 +86,11 @@ bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP; interna
 
 # var TURN_REPS: repetitions per tree and round of turn-cost (default 5)
 TURN_REPS ?= 5
+# var TURN_ARGS: more arguments for turn-cost, e.g. --one-process (both sides in one process: the patched tree with the fix off and on; results/turn-cost-<path>-one-process.json)
+TURN_ARGS ?=
 
-turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round; CHECKPOINTS=split for the split path); results/turn-cost-<path>.json
-	$(KIT) turn-cost --reps $(TURN_REPS) $(CHECKPOINT_OPT)
+turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round; CHECKPOINTS=split for the split path; TURN_ARGS=--one-process: one process, the fix off and on); results/turn-cost-<path>.json
+	$(KIT) turn-cost --reps $(TURN_REPS) $(CHECKPOINT_OPT) $(TURN_ARGS)
 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
 	$(KIT) loss-sweep

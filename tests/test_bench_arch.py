@@ -385,6 +385,34 @@ def test_turn_cost_writes_its_paths_own_file(path: str) -> None:
     assert f"turn-cost --reps 5 --checkpoints {path}" in made and "--out" not in made
 
 
+@pytest.mark.parametrize("path", serve_args.CHECKPOINT_PATHS)
+def test_turn_cost_one_process_has_its_own_file(path: str) -> None:
+    args = turn_cost.parse_args(["--checkpoints", path, "--one-process"])
+    assert args.out == ROOT / "results" / f"turn-cost-{path}-one-process.json"
+    made = _make_n("turn-cost", f"CHECKPOINTS={path}", "TURN_ARGS=--one-process")
+    assert f"--checkpoints {path} --one-process" in made
+
+
+def test_turn_cost_one_process_alternates_which_side_goes_first() -> None:
+    firsts = [turn_cost.turn_order(rep, turn)[0] for rep in range(2) for turn in range(4)]
+    assert firsts == ["unpatched", "patched"] * 2 + ["patched", "unpatched"] * 2
+    orders = [turn_cost.turn_order(rep, turn) for rep in range(3) for turn in range(4)]
+    assert all(sorted(order) == sorted(ttft.TREES) for order in orders)
+
+
+def test_the_committed_one_process_turn_cost_says_what_its_sides_are() -> None:
+    committed = json.loads((ROOT / "results" / "turn-cost-internal-one-process.json").read_text())
+    schema.check("turn-cost", committed, "turn-cost-internal-one-process.json")
+    assert committed["mode"] == "one-process" and committed["path"] == "internal"
+    assert {(r["tree"], r["fix"]) for r in committed["rows"]} == {
+        ("unpatched", False),
+        ("patched", True),
+    }
+    # Equal engine steps on both sides, every turn (the internal path's promise).
+    steps = committed["engine_steps"]
+    assert steps["unpatched"] == steps["patched"]
+
+
 def test_the_committed_turn_cost_file_is_the_split_paths() -> None:
     committed = json.loads((ROOT / "results" / "turn-cost-split.json").read_text())
     assert schema.check("turn-cost", committed, "turn-cost-split.json") is committed

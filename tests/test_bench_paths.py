@@ -374,10 +374,11 @@ def test_turn_cost_records_its_path_and_engine_steps() -> None:
         for rep in range(2)
         for turn, steps in ((1, 9), (2, 9))
     ]
-    args = argparse.Namespace(checkpoints="split", reps=1, shared=1007)
+    args = argparse.Namespace(checkpoints="split", reps=1, shared=1007, one_process=False)
     result = turn_cost.report(args, rows)
     assert schema.check("turn-cost", result, "turn-cost.json") is result
     assert result["path"] == "split" and result["budget"] == 2048 and result["env"] == {}
+    assert result["mode"] == "process-per-tree"
     assert result["engine_steps"] == {
         "unpatched": {"turn1": 9, "turn2": 9},
         "patched": {"turn1": 10, "turn2": 10},

@@ -14,6 +14,14 @@ GDN export on in both trees (VLLM_CPU_GDN_PREFILL_CHECKPOINT=1) under an
 one file per path (``results/turn-cost-<path>.json`` unless ``--out`` says
 otherwise, so one path's run never replaces the other's), records the path and
 the engine steps of every turn per tree.
+
+``--one-process``: both sides in one process, so no process-level offset (a
+process's memory layout and compiled code can make it a few percent faster or
+slower than another running the same work) lands on one side: the patched
+tree's engine with the fix's switch off (what the unpatched tree runs: the
+trees differ by that mod alone, and off it changes nothing) beside one with it
+on, turn by turn, the order swapped each turn. Its own file,
+``results/turn-cost-<path>-one-process.json``; rows say ``fix``.
 """
 
 from __future__ import annotations
@@ -38,9 +46,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TREES = ttft.TREES
 
 
-def default_out(path: str) -> Path:
+def default_out(path: str, one_process: bool = False) -> Path:
     """Where a run of checkpoint path ``path`` writes its JSON by default."""
-    return ROOT / "results" / f"turn-cost-{path}.json"
+    return ROOT / "results" / f"turn-cost-{path}{'-one-process' if one_process else ''}.json"
 
 
 def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
@@ -61,7 +69,13 @@ def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
 
         setattr(owner, name, wrapper)
 
+    import vllm.v1.core.sched.scheduler as sched_mod
+
     timed(runner_mod.GPUModelRunner, "execute_model", "step")
+    # Inside a step: the attention metadata (where the export's per-group
+    # checkpoint metadata is built); outside: the scheduler's plan.
+    timed(runner_mod.GPUModelRunner, "_build_attention_metadata", "attn_metadata")
+    timed(sched_mod.Scheduler, "schedule", "schedule")
     timed(runner_mod, "copy_kv_cache_blocks_inplace", "cow_copy")
     timed(mamba_mod, "preprocess_mamba", "mamba_pre")
     if hasattr(mamba_mod, "postprocess_mamba_align_cpu"):
@@ -73,23 +87,16 @@ def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
 
     if hasattr(gdn_mod, "_chunk_gated_delta_rule_cpu"):
         timed(gdn_mod, "_chunk_gated_delta_rule_cpu", "gdn_prefill")
+    if hasattr(gdn_mod, "_export_conv_checkpoints"):
+        timed(gdn_mod, "_export_conv_checkpoints", "gdn_conv_export")
 
 
-def measure(
-    tree: str, reps: int, shared: int, path: str = serve_args.DEFAULT_CHECKPOINTS
-) -> list[dict]:
-    """In a process whose ``vllm`` is the tree (and whose environment has the path's
-    checkpoint switch, ``_run_tree``): per repetition and turn, the phase times."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
+def _engine_kwargs(path: str) -> dict:
+    """The CPU default's server arguments as ``LLM`` keyword arguments."""
     from kit.weights.tiny_model import write_tiny_model
 
     model = write_tiny_model(ROOT / ".models" / "tiny-qwen3-next", weights=True)
-    kwargs = dict(
+    return dict(
         model=str(model),
         dtype="bfloat16",
         max_model_len=8192,
@@ -103,39 +110,89 @@ def measure(
         gpu_memory_utilization=0.3,
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},
     )
-    if tree == "patched":
-        kwargs.update(mods.switch_fields("cpu", Path(vllm.__file__).parent))
+
+
+def _in_process_env() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def turn_order(rep: int, turn: int) -> tuple[str, ...]:
+    """``--one-process``: which side runs a turn first (swapped every turn and rep)."""
+    return TREES if (rep + turn) % 2 == 0 else TREES[::-1]
+
+
+def _converse(engines: dict, reps: int, shared: int, path: str, fix: dict[str, bool]) -> list[dict]:
+    """The 4-turn conversation on every engine of ``engines`` (side -> LLM), a turn of
+    each in ``turn_order``; per repetition and turn, the phase times."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     timings: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     _instrument(timings, counts)
-    llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=ttft.REPLY_TOKENS, temperature=0.0, ignore_eos=True)
     out = []
     for rep in range(-1, reps):  # -1: warm-up, not recorded
-        prompt = ttft.context(rep, shared, "conv") + [4000 + i for i in range(ttft.TURN_LEN)]
+        first = ttft.context(rep, shared, "conv") + [4000 + i for i in range(ttft.TURN_LEN)]
+        prompts = {side: list(first) for side in engines}
         for turn in range(4):
-            timings.clear()
-            counts.clear()
-            start = time.perf_counter()
-            done = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-            wall = time.perf_counter() - start
-            if rep >= 0:
-                out.append(
-                    {
-                        "tree": tree,
-                        "path": path,
-                        "rep": rep,
-                        "turn": turn + 1,
-                        "prompt_tokens": len(prompt),
-                        "cached_tokens": done.num_cached_tokens,
-                        "wall_s": wall,
-                        **{f"{k}_s": v for k, v in timings.items()},
-                        **{f"{k}_n": v for k, v in counts.items()},
-                    }
-                )
-            reply = list(done.outputs[0].token_ids)
-            prompt = prompt + reply + [3000 + 50 * turn + i for i in range(ttft.TURN_LEN)]
+            for side in (s for s in turn_order(rep, turn) if s in engines):
+                timings.clear()
+                counts.clear()
+                start = time.perf_counter()
+                done = engines[side].generate(
+                    [TokensPrompt(prompt_token_ids=prompts[side])], params, use_tqdm=False
+                )[0]
+                wall = time.perf_counter() - start
+                if rep >= 0:
+                    out.append(
+                        {
+                            "tree": side,
+                            "fix": fix[side],
+                            "path": path,
+                            "rep": rep,
+                            "turn": turn + 1,
+                            "prompt_tokens": len(prompts[side]),
+                            "cached_tokens": done.num_cached_tokens,
+                            "wall_s": wall,
+                            **{f"{k}_s": v for k, v in timings.items()},
+                            **{f"{k}_n": v for k, v in counts.items()},
+                        }
+                    )
+                reply = list(done.outputs[0].token_ids)
+                prompts[side] += reply + [3000 + 50 * turn + i for i in range(ttft.TURN_LEN)]
     return out
+
+
+def measure(
+    tree: str, reps: int, shared: int, path: str = serve_args.DEFAULT_CHECKPOINTS
+) -> list[dict]:
+    """In a process whose ``vllm`` is the tree (and whose environment has the path's
+    checkpoint switch, ``_run_tree``): per repetition and turn, the phase times."""
+    _in_process_env()
+    import vllm
+    from vllm import LLM
+
+    kwargs = _engine_kwargs(path)
+    if tree == "patched":
+        kwargs.update(mods.switch_fields("cpu", Path(vllm.__file__).parent))
+    return _converse({tree: LLM(**kwargs)}, reps, shared, path, {tree: tree == "patched"})
+
+
+def measure_one_process(reps: int, shared: int, path: str) -> list[dict]:
+    """In a process whose ``vllm`` is the patched tree: its engine with the fix off
+    (rows "unpatched") and on (rows "patched"), turns alternating."""
+    _in_process_env()
+    import vllm
+    from vllm import LLM
+
+    switches = mods.switch_fields("cpu", Path(vllm.__file__).parent)
+    if not switches:
+        raise SystemExit(f"turn-cost --one-process: {vllm.__file__} carries no fix switch")
+    off = _engine_kwargs(path)
+    engines = {"unpatched": LLM(**off), "patched": LLM(**off, **switches)}
+    return _converse(engines, reps, shared, path, {"unpatched": False, "patched": True})
 
 
 def tree_env(tree: str, path: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -146,12 +203,16 @@ def tree_env(tree: str, path: str, base: dict[str, str] | None = None) -> dict[s
     return {**env, **serve_args.PATH_ENV[path]}
 
 
-def _run_tree(tree: str, reps: int, shared: int, path: str) -> list[dict]:
+def _run_tree(
+    tree: str, reps: int, shared: int, path: str, one_process: bool = False
+) -> list[dict]:
+    """``measure`` (or, ``one_process``, ``measure_one_process``) in a process of
+    its own with the tree's environment."""
     env = tree_env(tree, path)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kit.bench.turn_cost", "measure", tree]
         cmd += ["--reps", str(reps), "--shared", str(shared), "--out", out.name]
-        cmd += ["--checkpoints", path]
+        cmd += ["--checkpoints", path] + (["--one-process"] if one_process else [])
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
         return json.loads(Path(out.name).read_text())
 
@@ -161,6 +222,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         "wall_s",
         "step_s",
         "step_n",
+        "schedule_s",
+        "attn_metadata_s",
+        "gdn_conv_export_s",
         "cow_copy_s",
         "mamba_pre_s",
         "mamba_post_s",
@@ -206,6 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--shared", type=int, required=True)
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--checkpoints", choices=serve_args.CHECKPOINT_PATHS, required=True)
+    m.add_argument("--one-process", action="store_true")
     parser.add_argument("--reps", type=int, default=5, help="repetitions (default: %(default)s)")
     parser.add_argument("--shared", type=int, default=1007, help="context length S")
     parser.add_argument(
@@ -222,9 +287,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{serve_args.PATH_BUDGET['internal']}; split: the variable absent, step budget "
         f"{serve_args.PATH_BUDGET['split']} (default: %(default)s)",
     )
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="both sides in one process: the patched tree with the fix off and on, "
+        "turn by turn (default file: results/turn-cost-<path>-one-process.json)",
+    )
     args = parser.parse_args(argv)
     if args.cmd != "measure" and args.out is None:
-        args.out = default_out(args.checkpoints)
+        args.out = default_out(args.checkpoints, args.one_process)
     return args
 
 
@@ -234,6 +305,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> dict:
         "turn-cost",
         {
             "path": args.checkpoints,
+            # one-process: "unpatched" rows are the patched tree with the fix off.
+            "mode": "one-process" if args.one_process else "process-per-tree",
             "budget": serve_args.PATH_BUDGET[args.checkpoints],
             "env": serve_args.PATH_ENV[args.checkpoints],
             "reps_per_round": args.reps,
@@ -248,20 +321,27 @@ def report(args: argparse.Namespace, rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cmd == "measure":
-        rows = measure(args.tree, args.reps, args.shared, args.checkpoints)
+        if args.one_process:
+            rows = measure_one_process(args.reps, args.shared, args.checkpoints)
+        else:
+            rows = measure(args.tree, args.reps, args.shared, args.checkpoints)
         args.out.write_text(json.dumps(rows))
         return 0
     from tabulate import tabulate
 
-    # Alternate the trees per round so drift in the machine hits both alike.
     rows: list[dict] = []
-    for round_ in range(2):
-        order = TREES if round_ % 2 == 0 else TREES[::-1]
-        for tree in order:
-            rows += [
-                dict(r, rep=r["rep"] + round_ * args.reps)
-                for r in _run_tree(tree, args.reps, args.shared, args.checkpoints)
-            ]
+    if args.one_process:
+        # Two rounds' worth of repetitions, both sides in the patched tree's process.
+        rows = _run_tree("patched", 2 * args.reps, args.shared, args.checkpoints, True)
+    else:
+        # Alternate the trees per round so drift in the machine hits both alike.
+        for round_ in range(2):
+            order = TREES if round_ % 2 == 0 else TREES[::-1]
+            for tree in order:
+                rows += [
+                    dict(r, rep=r["rep"] + round_ * args.reps)
+                    for r in _run_tree(tree, args.reps, args.shared, args.checkpoints)
+                ]
     result = report(args, rows)
     summary = result["summary"]
 
@@ -280,10 +360,13 @@ def main(argv: list[str] | None = None) -> int:
                 pair(line, "wall_s", 1),
                 ttft_stats.ratio_text(ratio),
                 pair(line, "step_s", 1),
+                pair(line, "schedule_s", 2),
+                pair(line, "attn_metadata_s", 2),
                 pair(line, "cow_copy_s", 2),
                 pair(line, "mamba_pre_s", 2),
                 pair(line, "mamba_post_s", 2),
                 pair(line, "gdn_prefill_s", 2),
+                pair(line, "gdn_conv_export_s", 2),
             ]
         )
     headers = [
@@ -292,13 +375,18 @@ def main(argv: list[str] | None = None) -> int:
         "turn ms u/p",
         "ratio p/u [95% CI] (min-max)",
         "in steps ms u/p",
+        "scheduler ms u/p",
+        "attn metadata ms u/p",
         "CoW copy ms u/p",
         "Mamba pre ms u/p",
         "Mamba post ms u/p",
         "GDN prefill ms u/p",
+        "GDN conv export ms u/p",
     ]
     budget = serve_args.PATH_BUDGET[args.checkpoints]
     print(f"checkpoint path: {args.checkpoints} (step budget {budget})")
+    if args.one_process:
+        print("one process: u = the patched tree with the fix off, p = with it on")
     print(tabulate(body, headers=headers))
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"results: {args.out}")
