@@ -193,8 +193,9 @@ def record_environment(bundle: Path, python: str = sys.executable) -> dict:
 # CPU wheel's three libraries vLLM imports (vllm/platforms/cpu.py import_kernels).
 # vLLM's CPU GDN chunk kernel without AVX-512 runs ~50x slower (the kit's build
 # machines, measured: 12 ms for a 56-token prefill per layer against 0.25 ms), so
-# every TTFT in a bundle depends on it. Where the CPU has AMX tiles, that kernel
-# updates its states with AMX BF16 (torch's brgemm), another code path.
+# every TTFT in a bundle depends on it. Where the CPU has AMX tiles, the kernel's
+# source says it updates states with AMX BF16 (through torch's brgemm, which picks
+# the path at run time): recorded so bundles from such CPUs can be told apart.
 CPU_KERNELS_PROBE = """
 import json, platform, torch
 cpu = torch.cpu
@@ -203,7 +204,7 @@ lib = ("_C" if cpu._is_avx512_bf16_supported() else "_C_AVX512") if avx512 else 
 x86 = platform.machine() in ("x86_64", "AMD64")
 print(json.dumps({"torch_capability": torch.backends.cpu.get_cpu_capability(),
                   "vllm_library": f"vllm.{lib}" if x86 else "vllm._C",
-                  "amx": x86 and cpu._is_amx_tile_supported()}))
+                  "amx": x86 and getattr(cpu, "_is_amx_tile_supported", bool)()}))
 """
 
 

@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from kit import schema
 from kit.bench import serve_args, ttft, ttft_stats
@@ -91,7 +92,7 @@ def _instrument(timings: dict[str, float], counts: dict[str, int]) -> None:
         timed(gdn_mod, "_export_conv_checkpoints", "gdn_conv_export")
 
 
-def _engine_kwargs(path: str) -> dict:
+def _engine_kwargs(path: str) -> dict[str, Any]:
     """The CPU default's server arguments as ``LLM`` keyword arguments."""
     from kit.weights.tiny_model import write_tiny_model
 
@@ -113,8 +114,19 @@ def _engine_kwargs(path: str) -> dict:
 
 
 def _in_process_env() -> None:
+    """The engine core in this process (the wrappers of ``_instrument`` see its
+    phases), and a KV cache small enough for two engines side by side."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _instrumented() -> tuple[dict[str, float], dict[str, int]]:
+    """The phase timers, wrapped around vLLM's functions before any engine is built
+    (an engine that kept a reference to an unwrapped function would escape them)."""
+    timings: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    _instrument(timings, counts)
+    return timings, counts
 
 
 def turn_order(rep: int, turn: int) -> tuple[str, ...]:
@@ -122,15 +134,21 @@ def turn_order(rep: int, turn: int) -> tuple[str, ...]:
     return TREES if (rep + turn) % 2 == 0 else TREES[::-1]
 
 
-def _converse(engines: dict, reps: int, shared: int, path: str, fix: dict[str, bool]) -> list[dict]:
-    """The 4-turn conversation on every engine of ``engines`` (side -> LLM), a turn of
-    each in ``turn_order``; per repetition and turn, the phase times."""
+def _converse(
+    engines: dict[str, Any],
+    timers: tuple[dict[str, float], dict[str, int]],
+    reps: int,
+    shared: int,
+    path: str,
+    fix: dict[str, bool],
+) -> list[dict]:
+    """The 4-turn conversation on every engine of ``engines`` (side -> ``LLM``), a
+    turn of each in ``turn_order``; per repetition and turn, the phase times that
+    ``timers`` (``_instrumented``) collect."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    timings: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    _instrument(timings, counts)
+    timings, counts = timers
     params = SamplingParams(max_tokens=ttft.REPLY_TOKENS, temperature=0.0, ignore_eos=True)
     out = []
     for rep in range(-1, reps):  # -1: warm-up, not recorded
@@ -177,7 +195,9 @@ def measure(
     kwargs = _engine_kwargs(path)
     if tree == "patched":
         kwargs.update(mods.switch_fields("cpu", Path(vllm.__file__).parent))
-    return _converse({tree: LLM(**kwargs)}, reps, shared, path, {tree: tree == "patched"})
+    timers = _instrumented()
+    engines = {tree: LLM(**kwargs)}
+    return _converse(engines, timers, reps, shared, path, {tree: tree == "patched"})
 
 
 def measure_one_process(reps: int, shared: int, path: str) -> list[dict]:
@@ -191,8 +211,12 @@ def measure_one_process(reps: int, shared: int, path: str) -> list[dict]:
     if not switches:
         raise SystemExit(f"turn-cost --one-process: {vllm.__file__} carries no fix switch")
     off = _engine_kwargs(path)
+    timers = _instrumented()
+    # Built in this order every run: an offset between two engines of one process
+    # (smaller than between processes) is not alternated away.
     engines = {"unpatched": LLM(**off), "patched": LLM(**off, **switches)}
-    return _converse(engines, reps, shared, path, {"unpatched": False, "patched": True})
+    fix = {"unpatched": False, "patched": True}
+    return _converse(engines, timers, reps, shared, path, fix)
 
 
 def tree_env(tree: str, path: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -309,7 +333,9 @@ def report(args: argparse.Namespace, rows: list[dict]) -> dict:
             "mode": "one-process" if args.one_process else "process-per-tree",
             "budget": serve_args.PATH_BUDGET[args.checkpoints],
             "env": serve_args.PATH_ENV[args.checkpoints],
-            "reps_per_round": args.reps,
+            # one-process: one round of both rounds' repetitions.
+            "rounds": 1 if args.one_process else 2,
+            "reps_per_round": 2 * args.reps if args.one_process else args.reps,
             "shared": args.shared,
             "engine_steps": engine_steps(rows),
             "rows": rows,
@@ -332,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     if args.one_process:
         # Two rounds' worth of repetitions, both sides in the patched tree's process.
-        rows = _run_tree("patched", 2 * args.reps, args.shared, args.checkpoints, True)
+        rows = _run_tree("patched", 2 * args.reps, args.shared, args.checkpoints, one_process=True)
     else:
         # Alternate the trees per round so drift in the machine hits both alike.
         for round_ in range(2):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from math import lcm
+from typing import NamedTuple
 
 # The prefix_match_unit H the kit measures at unless a geometry says otherwise.
 UNIT = 16
@@ -363,15 +364,20 @@ def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...
     return tuple(sorted({p for p in wanted if p > 0 and p % case.block}))
 
 
+class ProducerStates(NamedTuple):
+    """A's prefill, its published partial Mamba states, and every Mamba state it leaves."""
+
+    prefill: Prefill
+    mamba_partials: tuple[int, ...]
+    states: set[int]
+
+
 def producer_states(case: Case, patched: bool, lookahead: int = 0) -> set[int]:
     """The positions at which producer A leaves a Mamba state in the cache."""
-    return _producer_states(case, patched, lookahead if case.eagle else 0)[2]
+    return _producer_states(case, patched, lookahead if case.eagle else 0).states
 
 
-def _producer_states(
-    case: Case, patched: bool, lookahead: int
-) -> tuple[Prefill, tuple[int, ...], set[int]]:
-    """A's prefill, its published partial Mamba states, and every Mamba state it leaves."""
+def _producer_states(case: Case, patched: bool, lookahead: int) -> ProducerStates:
     b = case.block
     prefill = producer_prefill(case, patched, lookahead)
     ends = prefill.ends
@@ -393,16 +399,15 @@ def _producer_states(
         | set(mamba_partials)
         | set(exported)
     )
-    return prefill, mamba_partials, states
+    return ProducerStates(prefill, mamba_partials, states)
 
 
 def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
     """``lookahead``: tokens each hash covers past its unit (0: the 0.32.0 hashing)."""
-    h, s = case.unit, case.shared
+    b, h, s = case.block, case.unit, case.shared
     lookahead = lookahead if case.eagle else 0
     prefill, mamba_partials, states = _producer_states(case, patched, lookahead)
     ends = prefill.ends
-    b = case.block
     # B's keys match while their lookahead tokens are shared too.
     base = lookahead_ideal(case, lookahead) if lookahead else s // h * h
     block_floor = max(s - lookahead, 0) // b * b

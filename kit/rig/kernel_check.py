@@ -81,10 +81,10 @@ GDN_HEAD_DIM = 64  # the smallest head size the CPU GDN kernel takes
 GDN_K_HEADS, GDN_V_HEADS = 1, 2  # grouped like Qwen3-Next (v heads = 2 x k heads)
 GDN_CHUNK = 64  # FLA_CHUNK_SIZE
 # States inside a chunk, each row's where it has them (plus one token short of
-# its end): one token in; 48 into the first chunk, where the bench's later turns
-# export the fix's predecessor state; the same in the second chunk. FLA's ``h``
+# its end): one token in; 32 and 48 into the first chunk, where the bench's later
+# turns export the fix's predecessor state; 48 into the second. FLA's ``h``
 # holds chunk starts only, so there FLA runs each prefix as a sequence of its own.
-GDN_MID_OFFSETS = (1, 48, GDN_CHUNK + 48)
+GDN_MID_OFFSETS = (1, 32, 48, GDN_CHUNK + 48)
 
 
 class KernelCheckError(RuntimeError):
@@ -399,6 +399,8 @@ def _cpu_gdn_export(
     wanted = sum(len(o) for o in offsets)
     pool = torch.zeros(1 + n + wanted, *s0_kv.shape[1:], dtype=torch.float32)
     pool[1 : n + 1] = s0_kv
+    # A state the export never writes stays NaN and fails every comparison.
+    pool[n + 1 :] = float("nan")
     slots, points = iter(range(n + 1, n + 1 + wanted)), []
     for row_offsets in offsets:
         points.append([(o, next(slots)) for o in row_offsets])
@@ -485,13 +487,16 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
     chunk_rows, chunk_states, ref_chunks, ref_final = [], [], [], []
     mid_states, ref_mids, mid_index, mid_cu, mid_rows = [], [], [], [0], []
     export_offsets: list[list[int]] = []
+    per_row: list[tuple[int, int]] = []  # (chunk-boundary states, states inside chunks)
     offset = 0  # FLA's h is indexed by chunk over the whole batch
     for i, n in enumerate(lengths):
         a = cu[i]
         stops = list(range(GDN_CHUNK, n, GDN_CHUNK))
-        mids = sorted({m for m in (*GDN_MID_OFFSETS, n - 1) if 0 < m < n and m % GDN_CHUNK})
+        # A position one token in has no state one token early to take instead.
+        mids = sorted({m for m in (*GDN_MID_OFFSETS, n - 1) if shift < m < n and m % GDN_CHUNK})
         # The export's states in this order: chunk boundaries, then inside chunks.
         export_offsets.append([stop - shift for stop in [*stops, *mids]])
+        per_row.append((len(stops), len(mids)))
         for c, stop in enumerate(stops, start=1):
             chunk_rows.append(offset + c)
             chunk_states.append(split_schedule(i, stop - shift))
@@ -513,12 +518,10 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
     if exported is not None:
         # Back into chunk-boundary states and states inside chunks.
         states, at, chunk_part, mid_part = exported.pop("states_kv"), 0, [], []
-        for i, n in enumerate(lengths):
-            per_row = len(export_offsets[i])
-            boundaries = len(range(GDN_CHUNK, n, GDN_CHUNK))
+        for boundaries, inside in per_row:
             chunk_part.extend(states[at : at + boundaries])
-            mid_part.extend(states[at + boundaries : at + per_row])
-            at += per_row
+            mid_part.extend(states[at + boundaries : at + boundaries + inside])
+            at += boundaries + inside
         exported["states_kv"] = torch.stack(chunk_part) if chunk_part else empty
         exported["mid_states_kv"] = torch.stack(mid_part) if mid_part else empty
     return {
@@ -619,7 +622,8 @@ def build_cases(perturb: str | None = None, kinds: set[str] | None = None) -> di
             "vllm": vllm.__version__,
             "tree": _shown(Path(vllm.__file__).parent),
             # The CPU GDN kernel picks its code path by ISA: which of vLLM's
-            # CPU libraries loads (AVX2, AVX-512, AVX-512 BF16) and AMX.
+            # CPU libraries loads (AVX2, AVX-512, AVX-512 BF16) and whether the
+            # CPU has AMX tiles.
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_kernels": cpu_kernels(),
             "perturb": perturb,

@@ -445,6 +445,9 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         and output["max_rel"] <= tol["output"]
     )
     mids = out.get("mid_vk")
+    wanted = case.get("mid_index")
+    if wanted is not None and wanted.numel() and mids is None:
+        raise CheckError(f"{case['name']}: states inside chunks asked for, none computed")
     if mids is not None:
         # States inside chunks: the CPU split schedule against FLA on each prefix.
         mid_vk = mids.transpose(-1, -2)
@@ -454,7 +457,7 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         ok = ok and fields["mid_states"]["max_rel"] <= tol["chunk_states"]
     if "export" in case:
         # The checkpoint export (one forward call, states written at each chunk
-        # boundary) against FLA's h, final states and output.
+        # boundary and inside chunks) against FLA's states, final states and output.
         exp = case["export"]
         got_h = out["h_vk"][chunks].transpose(-1, -2) if chunks else exp["states_kv"]
         exported = {
@@ -464,7 +467,7 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         }
         if mids is not None:
             exported["mid_states"] = {
-                **diff(mids.transpose(-1, -2), exp["mid_states_kv"]),
+                **diff(mid_vk, exp["mid_states_kv"]),
                 "count": len(mids),
             }
             ok = ok and exported["mid_states"]["max_rel"] <= tol["chunk_states"]

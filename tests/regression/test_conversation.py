@@ -84,7 +84,8 @@ def test_twenty_turns_bounded_metadata(tiny_model_dir, tree_is_patched, num_spec
 
 
 @pytest.mark.parametrize("num_spec", [1, 3])
-@pytest.mark.parametrize("user_len", [9, 40, 200])
+# Messages long enough that the turn's predecessor lies above where it resumed.
+@pytest.mark.parametrize("user_len", [40, 100, 200])
 @pytest.mark.parametrize("into_last_unit", [0, 7, UNIT - 1])
 def test_sibling_of_a_later_turn(
     tiny_model_dir, tree_is_patched, num_spec: int, user_len: int, into_last_unit: int
@@ -93,9 +94,9 @@ def test_sibling_of_a_later_turn(
     conversation, that turn's message edited at its end, or a context-load probe sent
     as a turn): the fix resumes it one unit below the turn's checkpoint; without the
     fix it falls back to where the turn itself resumed (the last turn's checkpoint),
-    so the fix saves it the turn's new tokens less one to two units: what dropping
-    the fix's states on a turn that resumed from its own conversation would cost
-    such a request."""
+    so the fix saves it the turn's new tokens less one to two units and their
+    sub-unit rest: what dropping the fix's states on a turn that resumed from its
+    own conversation would cost such a request."""
     rig = rig_for(tiny_model_dir, 2144, num_spec, tree_is_patched)
     first, turn = converse(rig, system_len=1000, turns=2, user_len=user_len)
     tail = len(turn.prompt) // UNIT * UNIT
@@ -103,6 +104,7 @@ def test_sibling_of_a_later_turn(
     sibling = rig.run(list(turn.prompt[:shared]) + user_message(9, 48))
     assert turn.hit == continuation_hit(len(first.prompt), eagle=True)
     assert sibling.resumed_from_own_prefix()
+    assert tail - 2 * UNIT > turn.hit  # the fix has something to save here
     if tree_is_patched:
         assert sibling.hit == tail - 2 * UNIT  # the turn's predecessor state
     else:

@@ -2,15 +2,13 @@
 
 The grid's producer A starts cold. Here an earlier request R shares A's first
 ``pre`` context tokens (a conversation's earlier turn, an agent's earlier
-file), so A resumes from R's state at ``r`` and prefills only the rest. Its
-follow-up B, over the whole context, must then resume where the geometry model
-puts a follow-up of a cold A, or at the highest state R left on the shared
-context below B's full-attention match, where that lies higher: the fix covers
-a resumed context load as it covers a cold one, and without the fix B falls
-back at worst to a state of R. So, for a resumed producer, the fix's states
-save B at most what the producer added beyond R's states: the cost of
-dropping them there ("Open" in the README) is bounded by the producer's new
-tokens, not a block.
+file), so A resumes from R's state and prefills only the rest. Its follow-up
+B, over the whole context, must then resume where the geometry model puts a
+follow-up of a cold A, or at a higher state of R's or at the junction vLLM
+stops A at: the fix covers a resumed context load as it covers a cold one.
+Where A resumed does not bound what the fix saves B: without the fix A's own
+resume point is often a block lower or zero (R met the same loss), so the gain
+here is as large as for a cold load (README, "Open").
 """
 
 from __future__ import annotations
@@ -68,7 +66,10 @@ def resumed_follow_up_hit(case: Case, earlier: Case, patched: bool) -> int:
     with R (vLLM ends a chunk at the block-floored end of the longest
     single-group hit, for siblings); R leaves its states on the shared context.
     B's full-attention match is the longer of the two producers' matches, less
-    one unit under EAGLE; B resumes at the highest state below it.
+    one unit under EAGLE; B resumes at the highest state below it. Assumes a
+    resumed A ends its chunks above its hit where a cold A does (no step budget
+    cuts the two differently), which every case here checks on the real
+    scheduler.
     """
     before = expected(earlier, patched)
     cold = expected(case, patched)
