@@ -413,6 +413,14 @@ def test_the_committed_one_process_turn_cost_says_what_its_sides_are() -> None:
     assert steps["unpatched"] == steps["patched"]
 
 
+def test_the_turn_cost_table_has_a_header_per_cell() -> None:
+    committed = json.loads((ROOT / "results" / "turn-cost-internal-one-process.json").read_text())
+    body, headers = turn_cost.table(turn_cost.summarize(committed["rows"]))
+    assert [len(row) for row in body] == [len(headers)] * 4
+    assert headers[:4] == ["turn", "steps u/p", "turn ms u/p", "ratio p/u [95% CI] (min-max)"]
+    assert body[1][1] == "9 / 9" and body[1][0] == 2
+
+
 def test_the_committed_turn_cost_file_is_the_split_paths() -> None:
     committed = json.loads((ROOT / "results" / "turn-cost-split.json").read_text())
     assert schema.check("turn-cost", committed, "turn-cost-split.json") is committed

@@ -241,19 +241,24 @@ def _run_tree(
         return json.loads(Path(out.name).read_text())
 
 
+# The summary's columns: (row key, table header, digits); the turn's wall time
+# comes second in the table, after the steps, then its paired ratio.
+COLUMNS = (
+    ("step_n", "steps u/p", 0),
+    ("wall_s", "turn ms u/p", 1),
+    ("step_s", "in steps ms u/p", 1),
+    ("schedule_s", "scheduler ms u/p", 2),
+    ("attn_metadata_s", "attn metadata ms u/p", 2),
+    ("cow_copy_s", "CoW copy ms u/p", 2),
+    ("mamba_pre_s", "Mamba pre ms u/p", 2),
+    ("mamba_post_s", "Mamba post ms u/p", 2),
+    ("gdn_prefill_s", "GDN prefill ms u/p", 2),
+    ("gdn_conv_export_s", "GDN conv export ms u/p", 2),
+)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
-    keys = (
-        "wall_s",
-        "step_s",
-        "step_n",
-        "schedule_s",
-        "attn_metadata_s",
-        "gdn_conv_export_s",
-        "cow_copy_s",
-        "mamba_pre_s",
-        "mamba_post_s",
-        "gdn_prefill_s",
-    )
+    keys = [key for key, _, _ in COLUMNS]
     table = []
     for turn in sorted({r["turn"] for r in rows}):
         line: dict = {"turn": turn}
@@ -344,6 +349,24 @@ def report(args: argparse.Namespace, rows: list[dict]) -> dict:
     )
 
 
+def table(summary: list[dict]) -> tuple[list[list], list[str]]:
+    """The printed table of ``summarize``'s lines: body and headers, unpatched /
+    patched per cell (ms, or counts for ``_n`` keys)."""
+
+    def pair(line: dict, key: str, digits: int) -> str:
+        scale = 1 if key.endswith("_n") else 1000
+        u, p = (scale * line[key][tree] for tree in TREES)
+        return f"{u:.{digits}f} / {p:.{digits}f}"
+
+    body = []
+    for line in summary:
+        cells = [pair(line, key, digits) for key, _, digits in COLUMNS]
+        ratio = ttft_stats.ratio_text(line["ratio_wall"])
+        body.append([line["turn"], *cells[:2], ratio, *cells[2:]])
+    titles = [title for _, title, _ in COLUMNS]
+    return body, ["turn", *titles[:2], "ratio p/u [95% CI] (min-max)", *titles[2:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cmd == "measure":
@@ -371,44 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     result = report(args, rows)
     summary = result["summary"]
 
-    def pair(line: dict, key: str, digits: int) -> str:
-        scale = 1 if key.endswith("_n") else 1000
-        u, p = (scale * line[key][tree] for tree in TREES)
-        return f"{u:.{digits}f} / {p:.{digits}f}"
-
-    body = []
-    for line in summary:
-        ratio = line["ratio_wall"]
-        body.append(
-            [
-                line["turn"],
-                pair(line, "step_n", 0),
-                pair(line, "wall_s", 1),
-                ttft_stats.ratio_text(ratio),
-                pair(line, "step_s", 1),
-                pair(line, "schedule_s", 2),
-                pair(line, "attn_metadata_s", 2),
-                pair(line, "cow_copy_s", 2),
-                pair(line, "mamba_pre_s", 2),
-                pair(line, "mamba_post_s", 2),
-                pair(line, "gdn_prefill_s", 2),
-                pair(line, "gdn_conv_export_s", 2),
-            ]
-        )
-    headers = [
-        "turn",
-        "steps u/p",
-        "turn ms u/p",
-        "ratio p/u [95% CI] (min-max)",
-        "in steps ms u/p",
-        "scheduler ms u/p",
-        "attn metadata ms u/p",
-        "CoW copy ms u/p",
-        "Mamba pre ms u/p",
-        "Mamba post ms u/p",
-        "GDN prefill ms u/p",
-        "GDN conv export ms u/p",
-    ]
+    body, headers = table(summary)
     budget = serve_args.PATH_BUDGET[args.checkpoints]
     print(f"checkpoint path: {args.checkpoints} (step budget {budget})")
     if args.one_process:

@@ -621,10 +621,9 @@ def build_cases(perturb: str | None = None, kinds: set[str] | None = None) -> di
         "cpu_port": {
             "vllm": vllm.__version__,
             "tree": _shown(Path(vllm.__file__).parent),
-            # The CPU GDN kernel picks its code path by ISA: which of vLLM's
-            # CPU libraries loads (AVX2, AVX-512, AVX-512 BF16) and whether the
-            # CPU has AMX tiles.
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            # The CPU GDN kernel picks its code path by ISA: torch's capability,
+            # which of vLLM's CPU libraries loads (AVX2, AVX-512, AVX-512 BF16)
+            # and whether the CPU has AMX tiles.
             "cpu_kernels": cpu_kernels(),
             "perturb": perturb,
         },
