@@ -30,6 +30,11 @@ UNIT = 16
 REGIMES = ("split", "internal-1", "internal-grid")
 # FlashInfer's GDN prefill exports states every 64 tokens.
 FLASHINFER_GDN_CHUNK = 64
+# 0.32.0's fix (``MAMBA_EAGLE_FIX_MIN_GAIN``): a prompt's first chunk after a
+# cache hit keeps none of the fix's states less than this many tokens above the
+# hit, which stays cached; a follow-up that needed one resumes at the hit (one
+# chunk of the GDN chunk kernels: what exporting such a state costs the layer).
+FIX_MIN_GAIN = 64
 
 
 @dataclass(frozen=True)
@@ -281,11 +286,23 @@ def fix_exports(
     )
 
 
+def resumed_fix_skips(case: Case, cp: Checkpoints, resume: int) -> set[int]:
+    """The fix's states (0.32.0 hashing) a prompt that resumed from a cache hit at
+    ``resume`` leaves out if its first chunk spans them: those less than
+    ``FIX_MIN_GAIN`` above the hit, on every path (neither exported nor a chunk
+    end; a follow-up that needed one resumes at the hit). Cold prompts keep all."""
+    if resume <= 0 or not case.eagle:
+        return set()
+    return {p for p in cp.extra() if resume < p < resume + FIX_MIN_GAIN and p != cp.tail}
+
+
 def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
     return producer_prefill(case, patched, lookahead).ends
 
 
-def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
+def producer_prefill(
+    case: Case, patched: bool, lookahead: int = 0, resume: int = 0, junction: int = 0
+) -> Prefill:
     """A's chunks as the scheduler cuts them, and what the cache manager publishes.
 
     Internal regimes: besides the final chunk's export, the manager reserves a
@@ -298,6 +315,11 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
     publishes neither, so a prompt tail the scheduler stopped at was lost).
     The patched tree (0.32.0) exports the fix's states inside whatever chunk
     spans them (``fix_exports``), so its chunk ends are the unpatched tree's.
+
+    ``resume``: the prompt resumed from a cache hit there (0: cold), so its first
+    chunk starts there and keeps none of the fix's states just above it
+    (``resumed_fix_skips``); ``junction``: where vLLM ends a chunk for a sibling
+    (the block-floored end of the longest single-group hit), if above the hit.
     """
     n, b = case.producer_len, case.block
     lookahead = lookahead if case.eagle else 0
@@ -306,26 +328,47 @@ def producer_prefill(case: Case, patched: bool, lookahead: int = 0) -> Prefill:
     stops += [p for p in (cp.tail,) if cp.last_block < p < n]
     # The fix's stops may lie inside the block below the last block checkpoint.
     stops += [p for p in cp.extra() if cp.last_block - b < p < n]
+    stops += [junction] if resume < junction < n else []
+    skips = resumed_fix_skips(case, cp, resume) if patched and not lookahead else set()
     ends: list[int] = []
     kept: list[int] = []
     unpublished: list[int] = []
-    start = 0
+    start = resume
     while start < n:
         exported = internal_checkpoint(case, start, lookahead) if n - start <= case.budget else 0
         extra = fix_exports(case, cp, start, n, lookahead) if patched else ()
+        if start == resume:
+            extra = tuple(p for p in extra if p not in skips)
         if (
             exported
             and patched
-            and any(start < p < n and p != exported and p not in extra for p in cp.extra())
+            and any(
+                start < p < n
+                and p != exported
+                and p not in extra
+                and not (start == resume and p in skips)
+                for p in cp.extra()
+            )
         ):
             # The fix declines the export when the final chunk spans a state it
             # keeps that the layer cannot export (lookahead hashes; off the grid),
             # so the split path materialises them all.
             exported = 0
+        # A resume inside a block still ends its chunk on the next boundary, and
+        # a junction above it is a chunk end too, with or without the export.
+        cuts = [c for c in ((start // b + 1) * b if start % b else 0, junction) if start < c < n]
+        if exported and cuts:
+            end = min(cuts)
+            kept += [p for p in extra if p < end]
+            ends.append(end)
+            start = end
+            continue
         if exported:
             # The final chunk exports the prompt checkpoint, and the fix's states.
             return Prefill((*ends, n), (*kept, exported, *extra), tuple(unpublished))
         inside = [s for s in stops if start < s < n and s not in extra]
+        if start == resume:
+            inside = [s for s in inside if s not in skips or s == junction]
         if start % b:
             next_boundary = (start // b + 1) * b
             if next_boundary < n:
@@ -372,14 +415,19 @@ class ProducerStates(NamedTuple):
     states: set[int]
 
 
-def producer_states(case: Case, patched: bool, lookahead: int = 0) -> set[int]:
-    """The positions at which producer A leaves a Mamba state in the cache."""
-    return _producer_states(case, patched, lookahead if case.eagle else 0).states
+def producer_states(
+    case: Case, patched: bool, lookahead: int = 0, resume: int = 0, junction: int = 0
+) -> set[int]:
+    """The positions at which producer A leaves a Mamba state in the cache (A resumed
+    at ``resume``, vLLM stopping at ``junction``: see ``producer_prefill``)."""
+    return _producer_states(case, patched, lookahead if case.eagle else 0, resume, junction).states
 
 
-def _producer_states(case: Case, patched: bool, lookahead: int) -> ProducerStates:
+def _producer_states(
+    case: Case, patched: bool, lookahead: int, resume: int = 0, junction: int = 0
+) -> ProducerStates:
     b = case.block
-    prefill = producer_prefill(case, patched, lookahead)
+    prefill = producer_prefill(case, patched, lookahead, resume, junction)
     ends = prefill.ends
     cp = _checkpoints(case, patched, lookahead)
     exported = set(prefill.kept_exports)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry.geometry_model import UNIT, Geometry, prompt_checkpoint
+from kit.geometry.geometry_model import FIX_MIN_GAIN, UNIT, Geometry, prompt_checkpoint
 from kit.rig.sched_harness import FULL_GROUP, MAMBA_GROUP, SchedulerRig
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
@@ -83,29 +83,41 @@ def test_twenty_turns_bounded_metadata(tiny_model_dir, tree_is_patched, num_spec
         assert cur.hit == continuation_hit(len(prev.prompt), eagle=True)
 
 
+@pytest.mark.parametrize("checkpoints", ["split", "internal-1"])
 @pytest.mark.parametrize("num_spec", [1, 3])
-# Messages long enough that the turn's predecessor lies above where it resumed.
+# Messages long enough that the turn's predecessor lies above where it resumed:
+# 40 tokens put it less than FIX_MIN_GAIN above, 100 and 200 further.
 @pytest.mark.parametrize("user_len", [40, 100, 200])
 @pytest.mark.parametrize("into_last_unit", [0, 7, UNIT - 1])
 def test_sibling_of_a_later_turn(
-    tiny_model_dir, tree_is_patched, num_spec: int, user_len: int, into_last_unit: int
+    tiny_model_dir,
+    tree_is_patched,
+    checkpoints: str,
+    num_spec: int,
+    user_len: int,
+    into_last_unit: int,
 ) -> None:
     """A request that shares a later turn's prompt up to its last hash unit (the same
     conversation, that turn's message edited at its end, or a context-load probe sent
     as a turn): the fix resumes it one unit below the turn's checkpoint; without the
     fix it falls back to where the turn itself resumed (the last turn's checkpoint),
     so the fix saves it the turn's new tokens less one to two units and their
-    sub-unit rest: what dropping the fix's states on a turn that resumed from its
-    own conversation would cost such a request."""
-    rig = rig_for(tiny_model_dir, 2144, num_spec, tree_is_patched)
+    sub-unit rest. A turn keeps that state only ``FIX_MIN_GAIN`` or more above where
+    it resumed (on both paths): closer, the sibling resumes where the turn did, as
+    without the fix."""
+    geometry = Geometry(2144, UNIT, num_spec, checkpoints=checkpoints)
+    rig = SchedulerRig(tiny_model_dir, geometry, fix=tree_is_patched)
     first, turn = converse(rig, system_len=1000, turns=2, user_len=user_len)
     tail = len(turn.prompt) // UNIT * UNIT
+    predecessor = tail - 2 * UNIT
     shared = tail - UNIT + into_last_unit
     sibling = rig.run(list(turn.prompt[:shared]) + user_message(9, 48))
     assert turn.hit == continuation_hit(len(first.prompt), eagle=True)
     assert sibling.resumed_from_own_prefix()
-    assert tail - 2 * UNIT > turn.hit  # the fix has something to save here
-    if tree_is_patched:
-        assert sibling.hit == tail - 2 * UNIT  # the turn's predecessor state
+    assert predecessor > turn.hit  # the fix has something to save here
+    kept = predecessor - turn.hit >= FIX_MIN_GAIN
+    assert kept == (user_len > 40)  # both kinds are tested
+    if tree_is_patched and kept:
+        assert sibling.hit == predecessor  # the turn's predecessor state
     else:
         assert sibling.hit == turn.hit

@@ -16,7 +16,13 @@ from __future__ import annotations
 import pytest
 
 from kit.geometry.geometry_cases import CONTEXT_BASE, all_cases, follow_up_turn, producer_tail
-from kit.geometry.geometry_model import UNIT, Case, expected, producer_states
+from kit.geometry.geometry_model import (
+    UNIT,
+    Case,
+    expected,
+    producer_prefill,
+    producer_states,
+)
 from kit.rig.sched_harness import SchedulerRig
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
@@ -54,6 +60,10 @@ def test_follow_up_of_a_resumed_producer(
     earlier = Case(case.geometry, pre, len(R_TAIL))
     before = expected(earlier, patched=tree_is_patched)
     assert a.hit == before.hit and a.resumed_from_own_prefix()
+    # A's chunks from its hit, as the model cuts them.
+    junction = before.fa_eagle // case.block * case.block
+    resumed = producer_prefill(case, tree_is_patched, resume=before.hit, junction=junction)
+    assert tuple(rig.chunk_ends[a.request_id]) == resumed.ends
     b = rig.run(context + follow_up_turn(case.follow_up))
     assert b.hit == resumed_follow_up_hit(case, earlier, tree_is_patched), b.hit
     assert b.resumed_from_own_prefix()
@@ -62,19 +72,22 @@ def test_follow_up_of_a_resumed_producer(
 def resumed_follow_up_hit(case: Case, earlier: Case, patched: bool) -> int:
     """B's hit after R (``earlier``: R's context share and tail) and a resumed A.
 
-    A leaves its cold states above its own hit, plus the state at the junction
-    with R (vLLM ends a chunk at the block-floored end of the longest
-    single-group hit, for siblings); R leaves its states on the shared context.
-    B's full-attention match is the longer of the two producers' matches, less
-    one unit under EAGLE; B resumes at the highest state below it. Assumes a
-    resumed A ends its chunks above its hit where a cold A does (no step budget
-    cuts the two differently), which every case here checks on the real
-    scheduler.
+    A's prefill from its own hit as the model cuts it (``producer_prefill`` with
+    the resume point), with the state at the junction with R (vLLM ends a chunk
+    at the block-floored end of the longest single-group hit, for siblings) and
+    without the fix's states its first chunk leaves out just above the hit; R
+    leaves its states on the shared context. B's full-attention match is the
+    longer of the two producers' matches, less one unit under EAGLE; B resumes
+    at the highest state below it.
     """
     before = expected(earlier, patched)
     cold = expected(case, patched)
     junction = before.fa_eagle // case.block * case.block
-    states = {p for p in producer_states(case, patched) if p > before.hit}
+    states = {
+        p
+        for p in producer_states(case, patched, resume=before.hit, junction=junction)
+        if p > before.hit
+    }
     states |= {junction} if junction > before.hit else set()
     states |= {p for p in producer_states(earlier, patched) if p <= earlier.shared}
     limit = max(cold.fa_eagle, before.fa_eagle)
