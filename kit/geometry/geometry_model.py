@@ -30,10 +30,10 @@ UNIT = 16
 REGIMES = ("split", "internal-1", "internal-grid")
 # FlashInfer's GDN prefill exports states every 64 tokens.
 FLASHINFER_GDN_CHUNK = 64
-# 0.32.0's fix (``MAMBA_EAGLE_FIX_MIN_GAIN``): a prompt's first chunk after a
-# cache hit keeps none of the fix's states less than this many tokens above the
-# hit, which stays cached; a follow-up that needed one resumes at the hit (one
-# chunk of the GDN chunk kernels: what exporting such a state costs the layer).
+# 0.32.0's fix (``MAMBA_EAGLE_FIX_MIN_GAIN``): a prompt that resumed from a cache
+# hit keeps none of the fix's states less than this many tokens above the hit,
+# which stays cached; a follow-up that needed one resumes at the hit (one chunk
+# of the GDN chunk kernels: what exporting such a state costs the layer).
 FIX_MIN_GAIN = 64
 
 
@@ -288,9 +288,9 @@ def fix_exports(
 
 def resumed_fix_skips(case: Case, cp: Checkpoints, resume: int) -> set[int]:
     """The fix's states (0.32.0 hashing) a prompt that resumed from a cache hit at
-    ``resume`` leaves out if its first chunk spans them: those less than
-    ``FIX_MIN_GAIN`` above the hit, on every path (neither exported nor a chunk
-    end; a follow-up that needed one resumes at the hit). Cold prompts keep all."""
+    ``resume`` leaves out: those less than ``FIX_MIN_GAIN`` above the hit, on every
+    path and in every chunk (neither exported nor a chunk end; a follow-up that
+    needed one resumes at the hit). Cold prompts keep all."""
     if resume <= 0 or not case.eagle:
         return set()
     return {p for p in cp.extra() if resume < p < resume + FIX_MIN_GAIN and p != cp.tail}
@@ -317,19 +317,19 @@ def producer_prefill(
     spans them (``fix_exports``), so its chunk ends are the unpatched tree's.
 
     ``resume``: the prompt resumed from a cache hit there (0: cold), so its first
-    chunk starts there and keeps none of the fix's states just above it
+    chunk starts there and it keeps none of the fix's states just above it
     (``resumed_fix_skips``); ``junction``: where vLLM ends a chunk for a sibling
     (the block-floored end of the longest single-group hit), if above the hit.
     """
     n, b = case.producer_len, case.block
     lookahead = lookahead if case.eagle else 0
     cp = _checkpoints(case, patched, lookahead)
+    skips = resumed_fix_skips(case, cp, resume) if patched and not lookahead else set()
     stops = [cp.last_block]
     stops += [p for p in (cp.tail,) if cp.last_block < p < n]
     # The fix's stops may lie inside the block below the last block checkpoint.
-    stops += [p for p in cp.extra() if cp.last_block - b < p < n]
+    stops += [p for p in cp.extra() if cp.last_block - b < p < n and p not in skips]
     stops += [junction] if resume < junction < n else []
-    skips = resumed_fix_skips(case, cp, resume) if patched and not lookahead else set()
     ends: list[int] = []
     kept: list[int] = []
     unpublished: list[int] = []
@@ -337,16 +337,12 @@ def producer_prefill(
     while start < n:
         exported = internal_checkpoint(case, start, lookahead) if n - start <= case.budget else 0
         extra = fix_exports(case, cp, start, n, lookahead) if patched else ()
-        if start == resume:
-            extra = tuple(p for p in extra if p not in skips)
+        extra = tuple(p for p in extra if p not in skips)
         if (
             exported
             and patched
             and any(
-                start < p < n
-                and p != exported
-                and p not in extra
-                and not (start == resume and p in skips)
+                start < p < n and p != exported and p not in extra and p not in skips
                 for p in cp.extra()
             )
         ):
@@ -367,8 +363,6 @@ def producer_prefill(
             # The final chunk exports the prompt checkpoint, and the fix's states.
             return Prefill((*ends, n), (*kept, exported, *extra), tuple(unpublished))
         inside = [s for s in stops if start < s < n and s not in extra]
-        if start == resume:
-            inside = [s for s in inside if s not in skips or s == junction]
         if start % b:
             next_boundary = (start // b + 1) * b
             if next_boundary < n:

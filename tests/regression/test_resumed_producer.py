@@ -40,7 +40,7 @@ def _fix_matters(case: Case) -> bool:
 # or all but a block and a bit (A adds a long document).
 CASES = [
     pytest.param(case, pre, id=f"{checkpoints}-{cid}-pre{pre}")
-    for checkpoints in ("split", "internal-1")
+    for checkpoints in ("split", "internal-1", "internal-grid")
     for cid, case in all_cases(checkpoints)
     if case.eagle and _fix_matters(case)
     for pre in sorted({case.shared - 3 * UNIT - 5, case.shared - case.block - 7})
@@ -75,8 +75,8 @@ def resumed_follow_up_hit(case: Case, earlier: Case, patched: bool) -> int:
     A's prefill from its own hit as the model cuts it (``producer_prefill`` with
     the resume point), with the state at the junction with R (vLLM ends a chunk
     at the block-floored end of the longest single-group hit, for siblings) and
-    without the fix's states its first chunk leaves out just above the hit; R
-    leaves its states on the shared context. B's full-attention match is the
+    without the fix's states just above the hit; R leaves its states on the
+    shared context. B's full-attention match is the
     longer of the two producers' matches, less one unit under EAGLE; B resumes
     at the highest state below it.
     """
@@ -88,7 +88,6 @@ def resumed_follow_up_hit(case: Case, earlier: Case, patched: bool) -> int:
         for p in producer_states(case, patched, resume=before.hit, junction=junction)
         if p > before.hit
     }
-    states |= {junction} if junction > before.hit else set()
     states |= {p for p in producer_states(earlier, patched) if p <= earlier.shared}
     limit = max(cold.fa_eagle, before.fa_eagle)
     return max((p for p in states if p <= limit), default=0)
