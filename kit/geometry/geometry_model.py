@@ -258,11 +258,13 @@ def internal_checkpoint(case: Case, start: int, lookahead: int = 0) -> int:
 @dataclass(frozen=True)
 class Prefill:
     """A's prefill: chunk ends, the states its layer exports and keeps, the chunk ends
-    whose own state the cache manager never publishes."""
+    whose own state the cache manager never publishes, and which of the kept exports
+    are the fix's (each in a block of its own)."""
 
     ends: tuple[int, ...]
     kept_exports: tuple[int, ...] = ()
     unpublished_ends: tuple[int, ...] = ()
+    fix_exports: tuple[int, ...] = ()
 
 
 def fix_exports(
@@ -332,6 +334,7 @@ def producer_prefill(
     stops += [junction] if resume < junction < n else []
     ends: list[int] = []
     kept: list[int] = []
+    fix_kept: list[int] = []
     unpublished: list[int] = []
     start = resume
     while start < n:
@@ -356,12 +359,18 @@ def producer_prefill(
         if exported and cuts:
             end = min(cuts)
             kept += [p for p in extra if p < end]
+            fix_kept += [p for p in extra if p < end]
             ends.append(end)
             start = end
             continue
         if exported:
             # The final chunk exports the prompt checkpoint, and the fix's states.
-            return Prefill((*ends, n), (*kept, exported, *extra), tuple(unpublished))
+            return Prefill(
+                (*ends, n),
+                (*kept, exported, *extra),
+                tuple(unpublished),
+                (*fix_kept, *extra),
+            )
         inside = [s for s in stops if start < s < n and s not in extra]
         if start % b:
             next_boundary = (start // b + 1) * b
@@ -380,9 +389,10 @@ def producer_prefill(
             unpublished.append(end)
         # The fix's states inside this chunk are exported, not stopped at.
         kept += [p for p in extra if p < end]
+        fix_kept += [p for p in extra if p < end]
         ends.append(end)
         start = end
-    return Prefill(tuple(ends), tuple(kept), tuple(unpublished))
+    return Prefill(tuple(ends), tuple(kept), tuple(unpublished), tuple(fix_kept))
 
 
 def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:

@@ -360,6 +360,9 @@ class SchedulerRig:
             geo.unit, sha256, *([lookahead] if lookahead else [])
         )
         self.chunk_ends: dict[str, list[int]] = {}
+        # The patched tree's extra exports the scheduler planned, per request:
+        # the positions of the fix's states written from inside a step.
+        self.fix_exports: dict[str, list[int]] = {}
         self.partial_entries: list[tuple[str, int, int]] = []
         self._next_id = 0
         self._count_partial_entries()
@@ -541,6 +544,9 @@ class SchedulerRig:
         ]
         if self.exporter is not None:
             step_exports = getattr(out, "mamba_checkpoint_exports", None)
+            for req_id, groups in (step_exports or {}).items():
+                positions = [p for p, _ in groups.get(MAMBA_GROUP, ())]
+                self.fix_exports.setdefault(req_id, []).extend(positions)
             for req, block_id, position in self.exporter.exports(rows, step_exports):
                 self.ledger.record_export(req, block_id, position)
         for req, _, mamba_ids in rows:

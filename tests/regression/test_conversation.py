@@ -117,6 +117,9 @@ def test_sibling_of_a_later_turn(
     assert predecessor > turn.hit  # the fix has something to save here
     kept = predecessor - turn.hit >= FIX_MIN_GAIN
     assert kept == (user_len > 40)  # both kinds are tested
+    # On the internal path the turn writes it from inside its step, or not at all.
+    exported = predecessor in rig.fix_exports.get(turn.request_id, ())
+    assert exported == (tree_is_patched and kept and checkpoints != "split")
     if tree_is_patched and kept:
         assert sibling.hit == predecessor  # the turn's predecessor state
     else:

@@ -64,6 +64,9 @@ def test_follow_up_of_a_resumed_producer(
     junction = before.fa_eagle // case.block * case.block
     resumed = producer_prefill(case, tree_is_patched, resume=before.hit, junction=junction)
     assert tuple(rig.chunk_ends[a.request_id]) == resumed.ends
+    # And the fix's states it exports from inside a step (internal paths): none
+    # less than FIX_MIN_GAIN above its hit.
+    assert tuple(rig.fix_exports.get(a.request_id, ())) == resumed.fix_exports
     b = rig.run(context + follow_up_turn(case.follow_up))
     assert b.hit == resumed_follow_up_hit(case, earlier, tree_is_patched), b.hit
     assert b.resumed_from_own_prefix()
