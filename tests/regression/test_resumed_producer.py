@@ -2,13 +2,17 @@
 
 The grid's producer A starts cold. Here an earlier request R shares A's first
 ``pre`` context tokens (a conversation's earlier turn, an agent's earlier
-file), so A resumes from R's state and prefills only the rest. Its follow-up
-B, over the whole context, must then resume where the geometry model puts a
-follow-up of a cold A, or at a higher state of R's or at the junction vLLM
-stops A at: the fix covers a resumed context load as it covers a cold one.
-Where A resumed does not bound what the fix saves B: without the fix A's own
-resume point is often a block lower or zero (R met the same loss), so the gain
-here is as large as for a cold load (README, "Open").
+file), so A resumes from R's state and prefills only the rest. A's chunk ends
+and the fix's states it exports from inside a step must be where the geometry
+model cuts a prefill that resumed there, and its follow-up B, over the whole
+context, must resume where the model puts it: at a state of A's, a higher
+state of R's, or the junction vLLM stops A at. The fix covers a resumed
+context load as it covers a cold one, less the states it leaves out less than
+``FIX_MIN_GAIN`` above A's hit (B then resumes at that hit, 16-32 tokens lower,
+in a few cases). Where A resumed does not otherwise bound what the fix saves
+B: without the fix A's own resume point is often a block lower or zero (R met
+the same loss), so the gain here is as large as for a cold load (README,
+"The cut: no state just above a resumed prompt's hit").
 """
 
 from __future__ import annotations
