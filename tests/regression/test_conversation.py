@@ -12,8 +12,11 @@ pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 REPLY_TOKENS = 6
 
 
-def rig_for(model_dir, block: int, num_spec: int, fix: bool) -> SchedulerRig:
-    return SchedulerRig(model_dir, Geometry(block, UNIT, num_spec), fix=fix)
+def rig_for(
+    model_dir, block: int, num_spec: int, fix: bool, checkpoints: str = "split"
+) -> SchedulerRig:
+    geometry = Geometry(block, UNIT, num_spec, checkpoints=checkpoints)
+    return SchedulerRig(model_dir, geometry, fix=fix)
 
 
 def continuation_hit(prev_prompt_len: int, eagle: bool) -> int:
@@ -105,8 +108,7 @@ def test_sibling_of_a_later_turn(
     sub-unit rest. A turn keeps that state only ``FIX_MIN_GAIN`` or more above where
     it resumed (on both paths): closer, the sibling resumes where the turn did, as
     without the fix."""
-    geometry = Geometry(2144, UNIT, num_spec, checkpoints=checkpoints)
-    rig = SchedulerRig(tiny_model_dir, geometry, fix=tree_is_patched)
+    rig = rig_for(tiny_model_dir, 2144, num_spec, tree_is_patched, checkpoints)
     first, turn = converse(rig, system_len=1000, turns=2, user_len=user_len)
     tail = len(turn.prompt) // UNIT * UNIT
     predecessor = tail - 2 * UNIT

@@ -23,6 +23,7 @@ from kit.geometry.geometry_cases import CONTEXT_BASE, all_cases, follow_up_turn,
 from kit.geometry.geometry_model import (
     UNIT,
     Case,
+    Expected,
     expected,
     producer_prefill,
     producer_states,
@@ -65,8 +66,9 @@ def test_follow_up_of_a_resumed_producer(
     before = expected(earlier, patched=tree_is_patched)
     assert a.hit == before.hit and a.resumed_from_own_prefix()
     # A's chunks from its hit, as the model cuts them.
-    junction = before.fa_eagle // case.block * case.block
-    resumed = producer_prefill(case, tree_is_patched, resume=before.hit, junction=junction)
+    resumed = producer_prefill(
+        case, tree_is_patched, resume=before.hit, junction=junction(case, before)
+    )
     assert tuple(rig.chunk_ends[a.request_id]) == resumed.ends
     # And the fix's states it exports from inside a step (internal paths): none
     # less than FIX_MIN_GAIN above its hit.
@@ -89,12 +91,16 @@ def resumed_follow_up_hit(case: Case, earlier: Case, patched: bool) -> int:
     """
     before = expected(earlier, patched)
     cold = expected(case, patched)
-    junction = before.fa_eagle // case.block * case.block
+    at = junction(case, before)
     states = {
-        p
-        for p in producer_states(case, patched, resume=before.hit, junction=junction)
-        if p > before.hit
+        p for p in producer_states(case, patched, resume=before.hit, junction=at) if p > before.hit
     }
     states |= {p for p in producer_states(earlier, patched) if p <= earlier.shared}
     limit = max(cold.fa_eagle, before.fa_eagle)
     return max((p for p in states if p <= limit), default=0)
+
+
+def junction(case: Case, before: Expected) -> int:
+    """Where vLLM ends a chunk of A for its sibling R: the block-floored end of the
+    longest single-group hit (A's full-attention match on R, less EAGLE's unit)."""
+    return before.fa_eagle // case.block * case.block
