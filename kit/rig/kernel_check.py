@@ -81,8 +81,10 @@ GDN_HEAD_DIM = 64  # the smallest head size the CPU GDN kernel takes
 GDN_K_HEADS, GDN_V_HEADS = 1, 2  # grouped like Qwen3-Next (v heads = 2 x k heads)
 GDN_CHUNK = 64  # FLA_CHUNK_SIZE
 # States inside a chunk, each row's where it has them (plus one token short of
-# its end): one token in; 32 and 48 into the first chunk, where the bench's later
-# turns export the fix's predecessor state; 48 into the second. FLA's ``h``
+# its end): one token in; 32 and 48 into the first chunk, where a fix state
+# 2-3 units above a chunk start falls (the bench's later turns exported theirs
+# there until the fix left out states just above a resumed prompt's hit); 48
+# into the second. FLA's ``h``
 # holds chunk starts only, so there FLA runs each prefix as a sequence of its own.
 GDN_MID_OFFSETS = (1, 32, 48, GDN_CHUNK + 48)
 
