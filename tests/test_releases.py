@@ -152,6 +152,21 @@ def test_fix_leaves_speculation_no_loss_of_its_own(release_table: dict) -> None:
     assert release_table["eagle_specific_loss"]["unpatched/lookahead"]["cases"] > 0
 
 
+def test_a_later_turn_pays_nothing_for_a_state_the_fix_leaves_out(release_table: dict) -> None:
+    """A conversation's later turn (kit/rig/later_turns.py) on every release, both
+    hashings, every regime measured: the fix keeps the turn's predecessor only
+    FIX_MIN_GAIN or more above the turn's hit, where a sibling then resumes;
+    closer, the turn's chunk ends are the unpatched tree's and the sibling resumes
+    where the turn did. Both kinds occur."""
+    for table in (release_table, *release_table["internal"].values()):
+        for hashing, rows in table["later_turns"].items():
+            where = (table["vllm_version"], table["checkpoints"], hashing)
+            assert [r for r in rows if r["verdict"] != "ok"] == [], where
+            assert {r["kept"] for r in rows} == {True, False}, where
+            left_out = [r for r in rows if not r["kept"]]
+            assert all(r["chunk_ends_u_p"][0] == r["chunk_ends_u_p"][1] for r in left_out)
+
+
 @pytest.mark.parametrize("tree", ["unpatched", "patched"])
 def test_the_stress_finds_no_wrong_state_on_the_newest_release(tree: str) -> None:
     """The multi-request stress (kit/rig/stress.py) on every checkpoint path of the

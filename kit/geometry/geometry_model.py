@@ -30,10 +30,11 @@ UNIT = 16
 REGIMES = ("split", "internal-1", "internal-grid")
 # FlashInfer's GDN prefill exports states every 64 tokens.
 FLASHINFER_GDN_CHUNK = 64
-# 0.32.0's fix (``MAMBA_EAGLE_FIX_MIN_GAIN``): a prompt that resumed from a cache
-# hit keeps none of the fix's states less than this many tokens above the hit,
-# which stays cached; a follow-up that needed one resumes at the hit (one chunk
-# of the GDN chunk kernels: what exporting such a state costs the layer).
+# The fix (``MAMBA_EAGLE_FIX_MIN_GAIN``, every release): a prompt that resumed
+# from a cache hit keeps none of the fix's states less than this many tokens
+# above the hit, which stays cached; a follow-up that needed one resumes at the
+# hit (under one chunk of the GDN chunk kernels, recomputed once, against an
+# export or an engine step that every such prompt would pay).
 FIX_MIN_GAIN = 64
 
 
@@ -289,10 +290,11 @@ def fix_exports(
 
 
 def resumed_fix_skips(case: Case, cp: Checkpoints, resume: int) -> set[int]:
-    """The fix's states (0.32.0 hashing) a prompt that resumed from a cache hit at
-    ``resume`` leaves out: those less than ``FIX_MIN_GAIN`` above the hit, on every
-    path and in every chunk (neither exported nor a chunk end; a follow-up that
-    needed one resumes at the hit). Cold prompts keep all."""
+    """The fix's states a prompt that resumed from a cache hit at ``resume``
+    leaves out (every release and hashing): those less than ``FIX_MIN_GAIN``
+    above the hit, on every path and in every chunk (neither exported nor a
+    chunk end; a follow-up that needed one resumes at the hit). Cold prompts
+    keep all."""
     if resume <= 0 or not case.eagle:
         return set()
     return {p for p in cp.extra() if resume < p < resume + FIX_MIN_GAIN and p != cp.tail}
@@ -326,7 +328,7 @@ def producer_prefill(
     n, b = case.producer_len, case.block
     lookahead = lookahead if case.eagle else 0
     cp = _checkpoints(case, patched, lookahead)
-    skips = resumed_fix_skips(case, cp, resume) if patched and not lookahead else set()
+    skips = resumed_fix_skips(case, cp, resume) if patched else set()
     stops = [cp.last_block]
     stops += [p for p in (cp.tail,) if cp.last_block < p < n]
     # The fix's stops may lie inside the block below the last block checkpoint.

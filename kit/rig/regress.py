@@ -21,6 +21,7 @@ from pathlib import Path
 from kit import schema
 from kit.geometry.geometry_cases import all_cases
 from kit.geometry.geometry_model import Case, expected, lookahead_ideal
+from kit.rig import later_turns
 from kit.vllm_tree import pins, trees
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +59,7 @@ def measure(
         "checkpoints": checkpoints,
         "rows": rows,
         "geometry": geometry,
+        "later_turns": later_turns.measure(model_dir, fix, lookahead_hashes, checkpoints),
     }
 
 
@@ -187,6 +189,7 @@ def build_report(unpatched: dict, patched: dict, checkpoints: str = "split") -> 
                 else "STALE STATE",
             }
         )
+    later = later_turns.verdicts(unpatched["later_turns"], patched["later_turns"])
     return {
         "unit": all_cases()[0][1].unit,
         "checkpoints": checkpoints,
@@ -196,6 +199,8 @@ def build_report(unpatched: dict, patched: dict, checkpoints: str = "split") -> 
             tree: loss_totals([r[f"eagle_loss_{tree}"] for r in rows])
             for tree in ("unpatched", "patched")
         },
+        "later_turns": later,
+        "later_turns_summary": later_turns.summary(later),
         "geometry_identical": unpatched["geometry"] == patched["geometry"],
         "geometry": patched["geometry"],
         "run": {
@@ -255,5 +260,6 @@ def render_markdown(report: dict) -> str:
             [[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS, tablefmt="github"
         ),
         "",
+        *later_turns.render("0.32.0 hashing", report.get("later_turns", [])),
     ]
     return "\n".join(lines)

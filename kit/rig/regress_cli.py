@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{report['eagle_specific_loss']}"
         )
         print(f"[{regime}] wrote {out / 'regression.json'} and regression.md")
+        print(f"[{regime}] later turns: {report['later_turns_summary']}")
         bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
+        bad |= set(report["later_turns_summary"]) - {"ok"}
         failed |= bool(bad) or not report["geometry_identical"]
     from kit.rig.regression_figure import figure_for
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from kit import bundle
 from kit.geometry.geometry_cases import all_cases
 from kit.geometry.geometry_model import REGIMES, Case, expected, lookahead_ideal
+from kit.rig import later_turns
 from kit.rig.regress import (
     REGIME_NOTE,
     eagle_specific_loss,
@@ -70,6 +71,13 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
             }
         rows.append(line)
     keys = [f"{stage}/{mode}" for stage, mode in measured]
+    later = {
+        mode: later_turns.verdicts(
+            measured[("unpatched", mode)]["later_turns"], measured[("patched", mode)]["later_turns"]
+        )
+        for mode in MODES
+        if ("unpatched", mode) in measured and ("patched", mode) in measured
+    }
     return {
         "vllm_version": version,
         "checkpoints": checkpoints,
@@ -83,6 +91,8 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
         "summary": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in keys},
         "eagle_specific_loss": {k: loss_totals([r[k]["eagle_loss"] for r in rows]) for k in keys},
         "sdist_sha256": releases.release_pins(version)["sdist_sha256"],
+        "later_turns": later,
+        "later_turns_summary": {mode: later_turns.summary(rows) for mode, rows in later.items()},
     }
 
 
@@ -120,6 +130,11 @@ def render(report: dict) -> str:
             "",
             tabulate(body, headers=headers, tablefmt="github"),
             "",
+            *(
+                line
+                for mode, rows in report.get("later_turns", {}).items()
+                for line in later_turns.render(f"{mode} hashes", rows)
+            ),
         ]
     )
 
@@ -160,6 +175,8 @@ def run(
         print(f"[{regime}] EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
         print(f"[{regime}] wrote {out_dir / 'regression.json'} and regression.md")
         bad |= any({"STALE STATE", "DIFFERS"} & set(s) for s in report["summary"].values())
+        print(f"[{regime}] later turns: {report['later_turns_summary']}")
+        bad |= any(set(s) - {"ok"} for s in report["later_turns_summary"].values())
     from kit.rig.regression_figure import figure_for
 
     root = (out_root or ROOT / "results" / "regression") / version

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kit.geometry.geometry_model import FIX_MIN_GAIN, UNIT, Geometry, prompt_checkpoint
+from kit.rig.later_turns import REPLY_TOKENS, converse, user_message
 from kit.rig.sched_harness import FULL_GROUP, MAMBA_GROUP, SchedulerRig
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
-
-REPLY_TOKENS = 6
 
 
 def rig_for(
@@ -21,20 +20,6 @@ def rig_for(
 
 def continuation_hit(prev_prompt_len: int, eagle: bool) -> int:
     return prompt_checkpoint(prev_prompt_len, UNIT, eagle)
-
-
-def user_message(turn: int, length: int) -> list[int]:
-    return [20_000 + 100 * turn + i for i in range(length)]
-
-
-def converse(rig: SchedulerRig, system_len: int, turns: int, user_len: int):
-    prompt = list(range(100, 100 + system_len)) + user_message(0, user_len)
-    records = []
-    for turn in range(turns):
-        record = rig.run(prompt, max_tokens=REPLY_TOKENS)
-        records.append(record)
-        prompt = prompt + list(record.output) + user_message(turn + 1, user_len)
-    return records
 
 
 @pytest.mark.parametrize("num_spec", [0, 1, 3])
