@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kit.geometry.geometry_cases import all_cases
 from kit.geometry.geometry_model import REGIMES, Case, Geometry, expected, lookahead_ideal
-from kit.rig import release_report
+from kit.rig import later_turns, release_report
 from kit.vllm_tree import releases
 
 pytestmark = pytest.mark.cpu
@@ -165,6 +167,53 @@ def test_a_later_turn_pays_nothing_for_a_state_the_fix_leaves_out(release_table:
             assert {r["kept"] for r in rows} == {True, False}, where
             left_out = [r for r in rows if not r["kept"]]
             assert all(r["chunk_ends_u_p"][0] == r["chunk_ends_u_p"][1] for r in left_out)
+            if table["checkpoints"] == "internal-1":
+                # Some turns the fix leaves a state in take the internal path (vLLM
+                # exports their checkpoint from inside the step), so the skip in
+                # the fix's decline of that export is exercised. (On the 64-token
+                # grid of internal-grid their checkpoints lie off it.)
+                assert any(r["exports_u_p"][0] for r in left_out), where
+
+
+# Run in a release tree: the later-turn rows of the internal-1 regime, lookahead
+# hashes; argv: model dir, output file, "fix" or "plain", "cut" or "no-cut" (the
+# fix's skip of states just above a resumed prompt's hit switched off).
+_LATER_TURNS = """
+import json, sys
+from pathlib import Path
+import kit.vllm_tree.release_plugin  # noqa: F401
+import vllm.v1.core.sched.scheduler as scheduler
+from kit.rig import later_turns
+model, out, fix, cut = sys.argv[1:]
+if cut == "no-cut":
+    scheduler.is_mamba_eagle_fix_state_skipped = lambda position, resume: False
+rows = later_turns.measure(Path(model), fix == "fix", True, "internal-1")
+Path(out).write_text(json.dumps(rows))
+"""
+
+
+def _later_turn_rows(stage: str, cut: str, model: Path, out: Path) -> list[dict]:
+    tree = releases.tree(releases.newest(), stage)
+    fix = "fix" if stage == "patched" else "plain"
+    cmd = [sys.executable, "-c", _LATER_TURNS, str(model), str(out), fix, cut]
+    subprocess.run(cmd, check=True, env=tree.env(VLLM_LOGGING_LEVEL="ERROR"), cwd=ROOT)
+    return json.loads(out.read_text())
+
+
+def test_the_later_turn_check_fails_without_the_cut(tmp_path: Path) -> None:
+    """The check above is not vacuous: on the newest release (internal-1, lookahead
+    hashes), with the fix's skip switched off, the turns with a short message pay
+    for the state (a chunk end, or a declined export) and their sibling resumes
+    there; every row that fails is one the fix leaves out."""
+    from kit.weights.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    plain = _later_turn_rows("unpatched", "cut", model, tmp_path / "plain.json")
+    without = _later_turn_rows("patched", "no-cut", model, tmp_path / "no-cut.json")
+    rows = later_turns.verdicts(plain, without)
+    failing = [r for r in rows if r["verdict"] != "ok"]
+    assert failing and all(not r["kept"] for r in failing), rows
+    assert {r["block"] for r in failing} == set(later_turns.BLOCKS), failing
 
 
 @pytest.mark.parametrize("tree", ["unpatched", "patched"])

@@ -2,19 +2,22 @@
 
 The fix keeps a Mamba state one hash unit below a prompt's checkpoint (its
 predecessor), where a request sharing the prompt up to its last unit resumes. A
-later turn resumed from the last turn's state, and keeps that predecessor only
-``FIX_MIN_GAIN`` or more above where it resumed (``MAMBA_EAGLE_FIX_MIN_GAIN`` in
-the fix): closer, a sibling resumes where the turn did, as without the fix, and
-the turn pays no chunk end (split path) or export (internal path) for it.
+later turn resumed from the last turn's state, and keeps that predecessor (and
+its block predecessor) only ``FIX_MIN_GAIN`` or more above where it resumed
+(``MAMBA_EAGLE_FIX_MIN_GAIN`` in the fix): closer, the turn pays no chunk end
+and declines or adds no in-step export for it, and a sibling resumes at the
+highest state it would reach without the fix (through the fix's full-attention
+entry, which stays, a block-boundary state at that position).
 
-``measure`` runs, per draft count, message length and how far into the turn's
-last unit the sibling shares: a two-turn conversation, then the sibling, in a
-rig of its own. ``verdicts`` judges one tree's rows against the other's: the
-turn's hit equal on both, the sibling's hit the predecessor (patched, kept) or
-the turn's hit (otherwise), and the turn's chunk ends equal on both trees
-wherever the fix left its state out. Used by ``kit.rig.regress`` on every
-release (``make regress VLLM=...``); the pinned release's tests check the same
-in ``tests/regression/test_conversation.py``.
+``measure`` runs, per block, draft count and message length, a two-turn
+conversation and then the sibling, in a rig of their own. ``verdicts`` judges
+the patched tree's rows against the unpatched tree's: kept, the state is a
+chunk end or an export and the sibling resumes there; left out, the turn's
+chunk ends and exports are the unpatched tree's; the sibling never resumes
+lower than without the fix. Used by ``kit.rig.regress`` and
+``kit.rig.release_report`` (``make regress``, ``make regress VLLM=...``,
+``tests/test_releases.py``); ``tests/regression/test_conversation.py`` checks
+the pinned release's trees the same way.
 """
 
 from __future__ import annotations
@@ -25,14 +28,22 @@ from pathlib import Path
 from kit.geometry.geometry_model import FIX_MIN_GAIN, UNIT, Geometry
 
 SYSTEM_LEN = 1000
-# Replies and messages stay inside one block: the turn resumes mid-block.
-BLOCK = 2144
 REPLY_TOKENS = 6
+# 2144: the turns stay inside one block, so a turn's final chunk never
+# exports (its checkpoint column would lie below its start's) and every regime
+# runs the split path. 64 and 32: a long turn's final chunk, and in 32-token
+# blocks a short one's too, spans two block columns past its start, so on the
+# internal regimes vLLM exports the turn's checkpoint from inside the step,
+# and the fix declines that export (0.33.0/0.34.0) or adds its own (0.32.0)
+# for each state it keeps; for a state it leaves out it must do neither.
+BLOCKS = (2144, 64, 32)
 NUM_SPECS = (1, 3)
-# 40 tokens put the turn's predecessor less than FIX_MIN_GAIN above its hit,
-# 100 and 200 further.
-USER_LENS = (40, 100, 200)
-INTO_LAST_UNIT = (0, UNIT - 1)
+# 44 tokens put the turn's predecessor (and, in 64-token blocks, its block
+# predecessor) less than FIX_MIN_GAIN above its hit, 100 and 200 further.
+USER_LENS = (44, 100, 200)
+# How far into the turn's last hash unit the sibling shares (where in the unit
+# does not matter to the hit; one offset off the unit's ends).
+INTO_LAST_UNIT = 7
 SIBLING_MESSAGE = 48
 
 
@@ -68,29 +79,30 @@ def sibling_share(prompt_len: int, lookahead: int, into_last_unit: int) -> int:
 
 
 def measure(model_dir: Path, fix: bool, lookahead_hashes: bool, checkpoints: str) -> list[dict]:
-    """Run in a process whose ``vllm`` is the tree under test: one row per draft
-    count, message length and sibling share."""
+    """Run in a process whose ``vllm`` is the tree under test: one row per block,
+    draft count and message length."""
     from kit.rig.sched_harness import SchedulerRig
 
     rows = []
-    for num_spec in NUM_SPECS:
-        for user_len in USER_LENS:
-            for into in INTO_LAST_UNIT:
-                geometry = Geometry(BLOCK, UNIT, num_spec, checkpoints=checkpoints)
+    for block in BLOCKS:
+        for num_spec in NUM_SPECS:
+            for user_len in USER_LENS:
+                geometry = Geometry(block, UNIT, num_spec, checkpoints=checkpoints)
                 rig = SchedulerRig(model_dir, geometry, fix=fix, lookahead_hashes=lookahead_hashes)
                 lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
                 _, turn = converse(rig, SYSTEM_LEN, turns=2, user_len=user_len)
                 n = len(turn.prompt)
-                shared = sibling_share(n, lookahead, into)
+                shared = sibling_share(n, lookahead, INTO_LAST_UNIT)
                 sibling = rig.run(list(turn.prompt[:shared]) + user_message(9, SIBLING_MESSAGE))
                 rows.append(
                     {
+                        "block": block,
                         "num_spec": num_spec,
                         "user_len": user_len,
-                        "into_last_unit": into,
                         "hash_lookahead": lookahead,
                         "turn_hit": turn.hit,
                         "turn_chunk_ends": list(rig.chunk_ends[turn.request_id]),
+                        "turn_exports": list(rig.exports.get(turn.request_id, ())),
                         "turn_fix_exports": list(rig.fix_exports.get(turn.request_id, ())),
                         "predecessor": predecessor(n, lookahead),
                         "sibling_hit": sibling.hit,
@@ -102,42 +114,61 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool, checkpoints: str
 
 
 def _key(row: dict) -> tuple[int, int, int]:
-    return row["num_spec"], row["user_len"], row["into_last_unit"]
+    return row["block"], row["num_spec"], row["user_len"]
+
+
+def _problems(base: dict, row: dict, kept: bool) -> list[str]:
+    """What is wrong with a patched row against its unpatched twin."""
+    problems = []
+    if not (row["state_ok"] and base["state_ok"]):
+        problems.append("stale state")
+    if row["turn_hit"] != base["turn_hit"]:
+        problems.append("turn hits differ")
+    if row["predecessor"] <= row["turn_hit"]:
+        problems.append("predecessor not above the turn's hit")
+    if kept:
+        materialised = row["turn_chunk_ends"] + row["turn_exports"]
+        if row["predecessor"] not in materialised:
+            problems.append("a kept state was neither a chunk end nor exported")
+        if row["sibling_hit"] != row["predecessor"]:
+            problems.append("sibling not at the kept state")
+        # (Unpatched, a block boundary there holds the same state.)
+        if base["sibling_hit"] > row["predecessor"]:
+            problems.append("sibling lower than without the fix")
+        return problems
+    # Left out: the turn and its sibling as without the fix.
+    if row["turn_chunk_ends"] != base["turn_chunk_ends"]:
+        problems.append("a left-out state cost the turn a chunk end")
+    if row["turn_exports"] != base["turn_exports"] or row["turn_fix_exports"]:
+        problems.append("a left-out state changed the turn's exports")
+    # The fix's full-attention entry stays (a hash): where a block boundary holds
+    # a state at the left-out position, the sibling reaches it through that entry.
+    if row["sibling_hit"] < base["sibling_hit"]:
+        problems.append("sibling lower than without the fix")
+    return problems
 
 
 def verdicts(unpatched: list[dict], patched: list[dict]) -> list[dict]:
     """Each patched row against its unpatched twin: ``verdict`` "ok" or what is wrong;
     ``kept``: whether the fix keeps the turn's predecessor (``FIX_MIN_GAIN`` or more
-    above its hit)."""
+    above its hit). Kept, the state is materialised and the sibling resumes there;
+    left out, the turn's chunk ends and exports are the unpatched tree's; either
+    way the sibling resumes no lower than without the fix."""
     twin = {_key(row): row for row in unpatched}
     out = []
     for row in patched:
         base = twin[_key(row)]
         gain = row["predecessor"] - row["turn_hit"]
         kept = gain >= FIX_MIN_GAIN
-        problems = []
-        if not (row["state_ok"] and base["state_ok"]):
-            problems.append("stale state")
-        if row["turn_hit"] != base["turn_hit"]:
-            problems.append("turn hits differ")
-        if gain <= 0:
-            problems.append("predecessor not above the turn's hit")
-        if base["sibling_hit"] != base["turn_hit"]:
-            problems.append("unpatched sibling not at the turn's hit")
-        if row["sibling_hit"] != (row["predecessor"] if kept else row["turn_hit"]):
-            problems.append("patched sibling not where the fix puts it")
-        if not kept and row["turn_chunk_ends"] != base["turn_chunk_ends"]:
-            problems.append("a left-out state cost the turn a chunk end")
-        if not kept and row["turn_fix_exports"]:
-            problems.append("a left-out state was exported")
         out.append(
             {
-                **{k: row[k] for k in ("num_spec", "user_len", "into_last_unit")},
+                **{k: row[k] for k in ("block", "num_spec", "user_len")},
                 "kept": kept,
                 "gain": gain,
                 "chunk_ends_u_p": [len(base["turn_chunk_ends"]), len(row["turn_chunk_ends"])],
+                "exports_u_p": [len(base["turn_exports"]), len(row["turn_exports"])],
                 "sibling_hit_u_p": [base["sibling_hit"], row["sibling_hit"]],
-                "verdict": "; ".join(problems) or "ok",
+                "verdict": "; ".join(_problems(base, row, kept)) or "ok",
             }
         )
     return out
@@ -154,23 +185,25 @@ def render(hashing: str, rows: list[dict]) -> list[str]:
 
     body = [
         [
+            r["block"],
             r["num_spec"],
             r["user_len"],
-            r["into_last_unit"],
             r["gain"],
             "kept" if r["kept"] else "left out",
             "/".join(map(str, r["chunk_ends_u_p"])),
+            "/".join(map(str, r["exports_u_p"])),
             "/".join(map(str, r["sibling_hit_u_p"])),
             r["verdict"],
         ]
         for r in rows
     ]
-    headers = ["k", "message", "into unit", "pred. - hit", "fix state", "chunks u/p"]
-    headers += ["sibling hit u/p", "verdict"]
+    headers = ["block", "k", "message", "pred. - hit", "fix state", "chunks u/p"]
+    headers += ["in-step exports u/p", "sibling hit u/p", "verdict"]
     return [
         f"Later turns, {hashing} (kit/rig/later_turns.py): a turn keeps its predecessor "
-        f"only {FIX_MIN_GAIN} or more above its hit; left out, the turn's chunks equal "
-        "the unpatched tree's and a sibling resumes at the turn's hit.",
+        f"only {FIX_MIN_GAIN} or more above its hit, and a sibling resumes there; left "
+        "out, the turn's chunk ends and in-step exports are the unpatched tree's; the "
+        "sibling never resumes lower than unpatched.",
         "",
         tabulate(body, headers=headers, tablefmt="github"),
         "",

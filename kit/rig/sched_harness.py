@@ -363,6 +363,9 @@ class SchedulerRig:
         # The patched tree's extra exports the scheduler planned, per request:
         # the positions of the fix's states written from inside a step.
         self.fix_exports: dict[str, list[int]] = {}
+        # Every state the layer wrote from inside a step (vLLM's own checkpoint
+        # and the fix's), per request: which prompts took the internal path.
+        self.exports: dict[str, list[int]] = {}
         self.partial_entries: list[tuple[str, int, int]] = []
         self._next_id = 0
         self._count_partial_entries()
@@ -549,6 +552,7 @@ class SchedulerRig:
                 self.fix_exports.setdefault(req_id, []).extend(positions)
             for req, block_id, position in self.exporter.exports(rows, step_exports):
                 self.ledger.record_export(req, block_id, position)
+                self.exports.setdefault(req.request_id, []).append(position)
         for req, _, mamba_ids in rows:
             # schedule() has already advanced num_computed_tokens.
             self.ledger.record_step(req, mamba_ids, req.num_computed_tokens)
