@@ -5,9 +5,9 @@ predecessor), where a request sharing the prompt up to its last unit resumes. A
 later turn resumed from the last turn's state, and keeps that predecessor (and
 its block predecessor) only ``FIX_MIN_GAIN`` or more above where it resumed
 (``MAMBA_EAGLE_FIX_MIN_GAIN`` in the fix): closer, the turn pays no chunk end
-and declines or adds no in-step export for it, and a sibling resumes at the
-highest state it would reach without the fix (through the fix's full-attention
-entry, which stays, a block-boundary state at that position).
+and declines or adds no in-step export for it, and a sibling resumes no lower
+than without the fix (higher where a block boundary holds a state at that
+position: the fix's full-attention entry there stays).
 
 ``measure`` runs, per block, draft count and message length, a two-turn
 conversation and then the sibling, in a rig of their own. ``verdicts`` judges
@@ -38,7 +38,7 @@ REPLY_TOKENS = 6
 # for each state it keeps; for a state it leaves out it must do neither.
 BLOCKS = (2144, 64, 32)
 NUM_SPECS = (1, 3)
-# 44 tokens put the turn's predecessor (and, in 64-token blocks, its block
+# 44 tokens put the turn's predecessor (and, in small blocks, its block
 # predecessor) less than FIX_MIN_GAIN above its hit, 100 and 200 further.
 USER_LENS = (44, 100, 200)
 # How far into the turn's last hash unit the sibling shares (where in the unit
