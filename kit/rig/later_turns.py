@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from kit.geometry.geometry_model import FIX_MIN_GAIN, UNIT, Geometry
+from kit.geometry.geometry_model import FIX_MIN_GAIN, UNIT, Geometry, prompt_checkpoint
 
 SYSTEM_LEN = 1000
 REPLY_TOKENS = 6
@@ -69,7 +69,7 @@ def predecessor(prompt_len: int, lookahead: int) -> int:
     below ``floor((N - L)/H)*H`` with lookahead hashes."""
     if lookahead:
         return (prompt_len - lookahead) // UNIT * UNIT - UNIT
-    return prompt_len // UNIT * UNIT - 2 * UNIT
+    return prompt_checkpoint(prompt_len, UNIT, eagle=True) - UNIT
 
 
 def sibling_share(prompt_len: int, lookahead: int, into_last_unit: int) -> int:

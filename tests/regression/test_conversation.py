@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kit.geometry.geometry_model import FIX_MIN_GAIN, UNIT, Geometry, prompt_checkpoint
+from kit.rig import later_turns
 from kit.rig.later_turns import REPLY_TOKENS, converse, user_message
 from kit.rig.sched_harness import FULL_GROUP, MAMBA_GROUP, SchedulerRig
 
@@ -95,9 +96,8 @@ def test_sibling_of_a_later_turn(
     without the fix."""
     rig = rig_for(tiny_model_dir, 2144, num_spec, tree_is_patched, checkpoints)
     first, turn = converse(rig, system_len=1000, turns=2, user_len=user_len)
-    tail = len(turn.prompt) // UNIT * UNIT
-    predecessor = tail - 2 * UNIT
-    shared = tail - UNIT + into_last_unit
+    predecessor = later_turns.predecessor(len(turn.prompt), lookahead=0)
+    shared = later_turns.sibling_share(len(turn.prompt), 0, into_last_unit)
     sibling = rig.run(list(turn.prompt[:shared]) + user_message(9, 48))
     assert turn.hit == continuation_hit(len(first.prompt), eagle=True)
     assert sibling.resumed_from_own_prefix()
