@@ -131,8 +131,9 @@ def test_pooled_groups_are_later_turns_cold_a_and_cold_b_over_every_s() -> None:
     assert turns["median"] == pytest.approx(1.4)
     assert (turns["min"], turns["max"]) == pytest.approx((1.3, 1.51))
     assert pooled["cold_A"]["n"] == 4 and pooled["cold_A"]["median"] == pytest.approx(1.1)
+    # Whole repetitions are resampled: repetition 1 gave 1.2, 1.2; repetition 2 gave 1.2, 1.21.
     assert pooled["cold_B"]["ci95"] == pytest.approx(
-        list(ttft_stats.bootstrap_median_ci([1.2, 1.2, 1.2, 1.21]))
+        list(ttft_stats.cluster_bootstrap_median_ci([[1.2, 1.2], [1.2, 1.21]]))
     )
     # Rows in another order: the same numbers.
     assert ttft_stats.pooled_ratios(_rows()[::-1]) == ttft_stats.pooled_ratios(_rows())

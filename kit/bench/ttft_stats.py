@@ -1,7 +1,14 @@
 """Statistics and rendering of a TTFT run: medians with IQR per tree, patched/unpatched
 ratios per repetition (median, min-max and a seeded bootstrap interval of the median,
 per request kind and S and pooled), the oracle's tally, and every reason a run is not
-evidence. Shared by the bench command and ``make report``."""
+evidence. Shared by the bench command and ``make report``.
+
+The intervals are 95 % percentile bootstrap intervals over whole repetitions: each of
+10,000 resamples draws the run's repetitions with replacement and takes the median of
+every patched/unpatched ratio of the drawn repetitions, so the pairs of one repetition
+(which share the servers' state and the host's moment) move together and are never
+counted as independent of each other. Where a repetition holds one pair (one request
+kind at one S), that is the bootstrap of the pairs."""
 
 from __future__ import annotations
 
@@ -75,28 +82,40 @@ def paired_ratios(rows: list[dict], key: str, drop_paused: bool = False) -> list
     request kind and turn (the two sides run back to back), sorted: the order the
     rows came in does not matter. ``drop_paused`` leaves out every pair with a side
     the host paused."""
+    return sorted(r for ratios in ratios_by_rep(rows, key, drop_paused).values() for r in ratios)
+
+
+def ratios_by_rep(rows: list[dict], key: str, drop_paused: bool = False) -> dict:
+    """The paired ratios (``paired_ratios``) grouped by repetition: {rep: sorted ratios},
+    only repetitions with at least one pair. A repetition is the unit the bootstrap
+    draws: its pairs ran in the same round over every S and request kind, on the same
+    servers, so they are not independent of each other."""
     pairs: dict = {}
     for r in rows:
         pair = (r["rep"], r.get("S"), r.get("kind"), r.get("turn"))
         pairs.setdefault(pair, {})[r["tree"]] = r
-    return sorted(
-        p["patched"][key] / p["unpatched"][key]
-        for p in pairs.values()
-        if len(p) == 2
-        # A row from before the kit recorded ``key``, or a time vLLM did not report.
-        and all(side.get(key) for side in p.values())
-        and not (drop_paused and any(map(paused, p.values())))
-    )
+    out: dict = {}
+    for (rep, *_), p in pairs.items():
+        if (
+            len(p) == 2
+            # A row from before the kit recorded ``key``, or a time vLLM did not report.
+            and all(side.get(key) for side in p.values())
+            and not (drop_paused and any(map(paused, p.values())))
+        ):
+            out.setdefault(rep, []).append(p["patched"][key] / p["unpatched"][key])
+    return {rep: sorted(ratios) for rep, ratios in out.items()}
 
 
 def paired_ratio(rows: list[dict], key: str, drop_paused: bool = False) -> dict:
     """The paired ratios of ``key`` (``paired_ratios``): how many, median, min, max, and
-    the 95 % bootstrap interval of the median (``bootstrap_median_ci``)."""
-    ratios = paired_ratios(rows, key, drop_paused)
+    the 95 % bootstrap interval of the median over whole repetitions
+    (``cluster_bootstrap_median_ci``)."""
+    by_rep = ratios_by_rep(rows, key, drop_paused)
+    ratios = sorted(r for group in by_rep.values() for r in group)
     return {
         "n": len(ratios),
         "median": statistics.median(ratios),
-        "ci95": list(bootstrap_median_ci(ratios)),
+        "ci95": list(cluster_bootstrap_median_ci(list(by_rep.values()))),
         "min": ratios[0],
         "max": ratios[-1],
     }
@@ -108,17 +127,41 @@ def bootstrap_median_ci(
     seed: int = BOOTSTRAP_SEED,
     level: float = CI_LEVEL,
 ) -> tuple[float, float]:
-    """The percentile bootstrap interval of the median of ``values``: ``resamples``
-    draws of len(values) with replacement from a generator seeded with ``seed``,
-    each draw's median, and the (1 - level)/2 and (1 + level)/2 quantiles of those
-    medians (linear between order statistics). The values are sorted first, so the
-    same values in any order give the same interval."""
+    """The percentile bootstrap interval of the median of ``values``, each value drawn on
+    its own: ``resamples`` draws of len(values) with replacement from a generator
+    seeded with ``seed``, each draw's median, and the (1 - level)/2 and (1 + level)/2
+    quantiles of those medians (linear between order statistics). The values are
+    sorted first, so the same values in any order give the same interval. It treats
+    the values as independent; the bench's ratios are not (``paired_ratio`` uses
+    ``cluster_bootstrap_median_ci``), and this equals that with one value per group."""
     if not values:
         raise ValueError("no values to bootstrap")
-    data = sorted(values)
+    return cluster_bootstrap_median_ci([[v] for v in values], resamples, seed, level)
+
+
+def cluster_bootstrap_median_ci(
+    groups: list[list[float]],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = CI_LEVEL,
+) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of every value in ``groups``,
+    drawing whole groups (a cluster bootstrap; the bench's groups are repetitions):
+    ``resamples`` draws of len(groups) groups with replacement from a generator seeded
+    with ``seed``, the median of all values of each draw's groups, and the (1 - level)/2
+    and (1 + level)/2 quantiles of those medians (linear between order statistics).
+    Groups and the values inside each are sorted first, so the same groups in any order
+    give the same interval; with one value per group it is the bootstrap of the values
+    (``bootstrap_median_ci``), draw for draw."""
+    clusters = sorted(sorted(g) for g in groups if g)
+    if not clusters:
+        raise ValueError("no values to bootstrap")
     rng = random.Random(seed)
-    n = len(data)
-    medians = sorted(statistics.median(rng.choices(data, k=n)) for _ in range(resamples))
+    n = len(clusters)
+    medians = sorted(
+        statistics.median([v for g in rng.choices(clusters, k=n) for v in g])
+        for _ in range(resamples)
+    )
     tail = (1 - level) / 2
     return _quantile(medians, tail), _quantile(medians, 1 - tail)
 
@@ -168,7 +211,11 @@ def ratio_method() -> dict:
     """What bench.json says about its ratios."""
     return {
         "ratio": "patched TTFT / unpatched TTFT of the same repetition, S and request kind",
-        "interval": f"{CI_LEVEL:.0%} percentile bootstrap of the median of those ratios",
+        "interval": (
+            f"{CI_LEVEL:.0%} percentile bootstrap of the median of those ratios over whole "
+            "repetitions, each resample drawing repetitions with replacement with all their ratios"
+        ),
+        "resampled": "repetition",
         "resamples": BOOTSTRAP_RESAMPLES,
         "seed": BOOTSTRAP_SEED,
         "pooled": {group: list(kinds) for group, kinds in POOLED},

@@ -207,7 +207,7 @@ def memory_fit(model: models.Entry, mem_total_gib: float | None, servers: int = 
         f"need{'' if servers == 2 else 's'} about {need:.0f} GiB ({servers} x ({weights:.0f} "
         f"GiB weights + {kv:.0f} GiB KV cache + {SERVER_OVERHEAD_GIB} GiB runtime)); this box "
         f"has {mem_total_gib:.0f} GiB, of which about {USABLE_MEMORY_FRACTION:.0%} is usable. "
-        "Pass MODEL=<a smaller enabled entry> (see README: the Strix Halo plan)"
+        "Pass MODEL=<a smaller enabled entry> (see docs/containers.md: the 128 GB plan)"
     )
 
 
@@ -565,8 +565,8 @@ def _interrupt_on_sigterm() -> Callable:
 def run(plan: argparse.Namespace) -> Path:
     if plan.nodes != 1:
         raise PlanError(
-            f"NODES={plan.nodes}: multi-node runs are planned, not built; see README "
-            "'Plan: two DGX Sparks'"
+            f"NODES={plan.nodes}: multi-node runs are planned, not built; see "
+            "docs/containers.md 'Plan: two DGX Sparks'"
         )
     out = plan.out or bundle.new_path(plan.target)
     log(f"host check ({plan.target})")

@@ -11,8 +11,8 @@ context load as it covers a cold one, less the states it leaves out less than
 ``FIX_MIN_GAIN`` above A's hit (B then resumes at that hit, 16-32 tokens lower,
 in a few cases). Where A resumed does not otherwise bound what the fix saves
 B: without the fix A's own resume point is often a block lower or zero (R met
-the same loss), so the gain here is as large as for a cold load (README,
-"The cut: no state just above a resumed prompt's hit").
+the same loss), so the gain here is as large as for a cold load
+(docs/fix-cost.md, the resumed-prompt rule).
 """
 
 from __future__ import annotations

@@ -1,0 +1,226 @@
+"""The documentation holds: a short README whose headline numbers are the named
+bundle's, no lab-note residue in it, every results/ and docs/ path it and the
+docs name exists, every relative link resolves, results/INDEX.md is current,
+and the licence is there. No network, no vLLM."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kit import results_index
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+TOPICS = ("methodology", "results", "fix-cost", "architecture", "containers", "defects")
+# Every Markdown file whose paths and links are checked.
+DOCUMENTS = [README, ROOT / "CHANGELOG.md", *DOCS, *sorted((ROOT / "mods").rglob("README.md"))]
+MAX_README_BYTES = 16 * 1024
+
+# A commit-like token: 7 or more lowercase hex characters with a letter and a digit
+# (a results folder's date is digits only; its 6-hex id is too short).
+HEX = re.compile(
+    r"(?<![0-9A-Za-z_])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,}(?![0-9A-Za-z_])"
+)
+RUN_LABEL = re.compile(r"\bruns? (?:\d+|[A-H](?:-[A-H])?)\b")
+CI_TIME = re.compile(r"\bCI\b[^\n]{0,120}?\bin \d[\d,.]*\s?(?:s|min|minutes)\b")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+# A results/ or docs/ path written from the repository root (not part of a longer path).
+ROOT_PATH = re.compile(r"(?<![\w./<>-])((?:results|docs)/[\w./-]*)")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+RATIO = re.compile(r"(\d+\.\d+) \[(\d+\.\d+)-(\d+\.\d+)\]")
+
+
+def text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def same(shown: str, value: float) -> bool:
+    """``shown`` is ``value`` rounded to as many places as it shows."""
+    places = len(shown.split(".")[1]) if "." in shown else 0
+    return f"{value:.{places}f}" == shown
+
+
+def test_the_readme_is_short() -> None:
+    size = README.stat().st_size
+    assert size <= MAX_README_BYTES, f"README.md is {size} bytes; the limit is {MAX_README_BYTES}"
+
+
+def test_the_readme_keeps_the_commands_ci_and_users_run() -> None:
+    readme = text(README)
+    assert "make test" in readme and "make bench" in readme
+
+
+def test_the_readme_has_no_lab_note_residue() -> None:
+    readme = text(README)
+    assert not HEX.findall(readme), f"commit-like tokens: {HEX.findall(readme)}"
+    assert not RUN_LABEL.findall(readme), f"run labels: {RUN_LABEL.findall(readme)}"
+    assert not CI_TIME.search(readme), f"a CI timing: {CI_TIME.search(readme)}"
+    assert not DATE.findall(readme), f"dated history: {DATE.findall(readme)}"
+    assert not re.search(r"\bthe cut\b", readme, re.I)
+
+
+def test_the_residue_checks_can_fail() -> None:
+    assert HEX.search("measured at 8b82299 after") and not HEX.search("results/20261205-130931")
+    assert RUN_LABEL.search("as in run 7") and RUN_LABEL.search("runs A-H")
+    assert CI_TIME.search("the CI of that commit passed in 2,278 s")
+
+
+def test_every_document_the_readme_promises_exists() -> None:
+    for topic in TOPICS:
+        assert (ROOT / "docs" / f"{topic}.md").is_file(), topic
+    assert (ROOT / "CHANGELOG.md").is_file()
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_results_and_docs_path_exists(document: Path) -> None:
+    missing = []
+    source = text(document)
+    for match in ROOT_PATH.finditer(source):
+        following = source[match.end() : match.end() + 1]
+        if following in ("<", "[", "*", "{"):
+            continue  # a pattern such as results/<date>-cpu-<id>/, not a path
+        path = match.group(1).rstrip(".,")
+        if not (ROOT / path).exists():
+            missing.append(path)
+    assert not missing, f"{document.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(document: Path) -> None:
+    broken = []
+    for target in LINK.findall(text(document)):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        if not (document.parent / target.split("#")[0]).exists():
+            broken.append(target)
+    assert not broken, f"{document.relative_to(ROOT)}: broken links {broken}"
+
+
+def headline_rows() -> dict[str, list[str]]:
+    rows = {}
+    for line in text(README).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def check_bar(cell: str, median: float, upper: float) -> None:
+    """The bar cell's verdict, as the methodology reads it, from the bundle's numbers."""
+    bar_text, verdict = cell.split(":", 1)
+    bar = float(bar_text)
+    verdict = verdict.strip()
+    if verdict.startswith("yes"):
+        assert upper <= bar, (cell, upper)
+        return
+    said = dict(re.findall(r"(median|interval) (yes|no)", verdict))
+    assert said, cell
+    if "median" in said:
+        assert (median <= bar) == (said["median"] == "yes"), (cell, median)
+    if "interval" in said:
+        assert (upper <= bar) == (said["interval"] == "yes"), (cell, upper)
+    for precise in re.findall(r"\((\d\.\d{3})\)", verdict):
+        assert same(precise, median), (cell, median)
+
+
+def test_the_readme_headline_is_the_named_bundle() -> None:
+    named = results_index.headline(README)
+    assert named, "README.md names no headline bundle (Headline: `results/<name>`)"
+    folder = ROOT / named
+    report = json.loads((folder / "bench.json").read_text())
+    raw = json.loads((folder / "raw.json").read_text())
+    rows = headline_rows()
+
+    hits = re.fullmatch(r"(\d+) of (\d+) requests", rows["hits equal to the geometry model's"][0])
+    assert hits, rows["hits equal to the geometry model's"]
+    assert (int(hits[1]), int(hits[2])) == (sum(r["hit_ok"] for r in raw), len(raw))
+
+    verdicts = report["oracle"]["verdicts"]
+    shown = rows["oracle same / tie / wrong"][0]
+    assert shown == f"{verdicts['same']} / {verdicts['tie']} / {verdicts['wrong']}"
+
+    cached = {s["S"]: s for s in report["summary"] if s["kind"] == "cached_B"}
+    for size in (1007, 2159):
+        times, ratio, bar = rows[f"cached B, S = {size}"]
+        row = cached[size]
+        before, after = re.fullmatch(r"(\d+\.\d+) → (\d+\.\d+) ms", times).groups()
+        assert same(before, row["unpatched"]["median_ms"]), (size, before)
+        assert same(after, row["patched"]["median_ms"]), (size, after)
+        stats = row["ratio_patched_unpatched"]
+        median, low, high = RATIO.fullmatch(ratio).groups()
+        assert same(median, stats["median"]) and same(low, stats["ci95"][0])
+        assert same(high, stats["ci95"][1]), (size, ratio)
+        check_bar(bar, stats["median"], stats["ci95"][1])
+
+    pooled = {p["group"]: p for p in report["pooled_ratios"]}
+    for label, group in (
+        ("later turns 2-4, pooled", "turn2-turn4"),
+        ("cold A, pooled", "cold_A"),
+        ("cold B, pooled", "cold_B"),
+    ):
+        _, ratio, bar = rows[label]
+        stats = pooled[group]
+        median, low, high = RATIO.fullmatch(ratio).groups()
+        assert same(median, stats["median"]) and same(low, stats["ci95"][0]), label
+        assert same(high, stats["ci95"][1]), label
+        check_bar(bar, stats["median"], stats["ci95"][1])
+
+    # The prose under the table: the largest median and the widest interval of the
+    # request kinds pooled over S (the cost bar of 1.10), cached B aside.
+    kinds = [
+        p for p in report["pooled_ratios"] if len(p["kinds"]) == 1 and p["group"] != "cached_B"
+    ]
+    largest = max(p["median"] for p in kinds)
+    widest = max(kinds, key=lambda p: p["ci95"][1])
+    prose = text(README)
+    shown_median = re.search(r"median at or below\s+(\d\.\d\d)", prose)
+    shown_upper = re.search(r"turn (\d)'s, reaches (\d\.\d\d)", prose)
+    assert shown_median and same(shown_median[1], largest)
+    assert shown_upper and widest["group"] == f"turn{shown_upper[1]}"
+    assert same(shown_upper[2], widest["ci95"][1])
+
+
+def test_the_results_index_is_current() -> None:
+    index = ROOT / "results" / results_index.INDEX
+    assert index.is_file(), "results/INDEX.md is missing: run python -m kit.results_index"
+    assert index.read_text() == results_index.render(), (
+        "results/INDEX.md is stale: run python -m kit.results_index"
+    )
+
+
+def test_the_index_marks_the_headline_and_archived_bundles() -> None:
+    rendered = results_index.render()
+    named = results_index.headline(README)
+    assert f"| `{named}` |" in rendered
+    headline_line = next(line for line in rendered.splitlines() if f"| `{named}` |" in line)
+    assert "**headline**" in headline_line
+    archive = ROOT / "results" / results_index.ARCHIVE
+    for folder in sorted(archive.iterdir()) if archive.is_dir() else []:
+        line = next(x for x in rendered.splitlines() if f"`results/archive/{folder.name}`" in x)
+        assert "archived" in line
+
+
+def test_the_index_check_fails_on_a_stale_file(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    (results / "20260101-000000-cpu-abcdef").mkdir(parents=True)
+    (results / "20260101-000000-cpu-abcdef" / "bench.json").write_text(
+        json.dumps({"schema": {"name": "bench", "version": 2}, "path": "split", "reps": 1})
+    )
+    assert results_index.main(["--results", str(results)]) == 0
+    assert results_index.main(["--check", "--results", str(results)]) == 0
+    (results / "INDEX.md").write_text("stale\n")
+    assert results_index.main(["--check", "--results", str(results)]) == 1
+
+
+def test_the_licence_is_apache_2() -> None:
+    licence = ROOT / "LICENSE"
+    assert licence.is_file()
+    head = licence.read_text()[:200]
+    assert "Apache License" in head and "Version 2.0" in head
