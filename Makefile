@@ -48,15 +48,23 @@ PHASE = bash -c 'start=$$(date +%s); "$${@:2}"; rc=$$?; \
   echo "== $$1: $$( [ $$rc -eq 0 ] && echo passed || echo FAILED ) in $$(( $$(date +%s) - start )) s"; \
   exit $$rc' phase
 
-test: setup lint ## everything CI runs: lint, the suite (tree-dependent tests on both trees), vLLM's own prefix-cache suite (pinned and newest release)
+# var TESTS: pytest arguments for make test instead of the whole suite (paths, node ids, -k "expr"); with TESTS= only those run, on the patched tree
+TESTS ?=
+
+test: setup lint ## everything CI runs: lint, the suite (tree-dependent tests on both trees), vLLM's own v1 core suite on every tree of the pinned and the newest release (TESTS="...": only those tests)
+ifneq ($(strip $(TESTS)),)
+	@$(PHASE) "pytest $(TESTS), patched tree" \
+	  env KIT_TREE=patched $(VENV_PY) -m pytest -q -p no:cacheprovider $(TESTS)
+else
 	@$(PHASE) "pytest, patched tree, every test" \
 	  env KIT_TREE=patched $(VENV_PY) -m pytest -q -p no:cacheprovider
 	@$(PHASE) "pytest, unpatched tree, tests marked tree" \
 	  env KIT_TREE=unpatched $(VENV_PY) -m pytest -q -p no:cacheprovider -m tree
-	@$(PHASE) "vLLM's prefix-cache suite, pinned release, both trees (read from a container-flow run on the same code when there is one)" \
+	@$(PHASE) "vLLM's v1 core suite, pinned release, pristine/unpatched/patched (the modded trees read from a container-flow run on the same code when there is one)" \
 	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --reuse-flow
-	@$(PHASE) "vLLM's prefix-cache suite, newest release, both trees" \
+	@$(PHASE) "vLLM's v1 core suite, newest release, pristine/unpatched/patched" \
 	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --vllm newest
+endif
 
 lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff check kit tests
@@ -68,9 +76,18 @@ mods-drift: setup ## every mod against every known vLLM release: applies / appli
 mods-list: setup ## the mods and their state against both trees
 	@for tree in $(TREES); do $(KIT) mods list --tree .trees/$$tree/vllm; done
 
-# The main job: the GPU target this host has, else the CPU default.
-HOST_TARGET := $(shell if command -v nvidia-smi >/dev/null 2>&1; then echo gb10; \
-  elif [ -e /dev/kfd ]; then echo strix; else echo cpu; fi)
+# The main job: the GPU target this host is, else the CPU default. A GPU alone does
+# not make a host a DGX Spark: gb10 needs an aarch64 host whose nvidia-smi names a
+# GB10 (ARCH=x86_64 asks for the CUDA sibling on an x86_64 NVIDIA host); strix
+# needs /dev/kfd and an x86_64 host. TARGET_HOST=cpu|gb10|strix overrides.
+# var TARGET_HOST: the target make bench runs: cpu, gb10 or strix (default: this host's, see above)
+GPU_NAMES := $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)
+MACHINE := $(shell uname -m)
+TARGET_HOST ?= $(strip \
+  $(if $(and $(filter aarch64,$(MACHINE)),$(findstring GB10,$(GPU_NAMES))),gb10, \
+  $(if $(and $(filter x86_64,$(ARCH)),$(GPU_NAMES)),gb10, \
+  $(if $(and $(filter x86_64,$(MACHINE)),$(wildcard /dev/kfd)),strix,cpu))))
+HOST_TARGET := $(TARGET_HOST)
 # var REPS: repetitions per context length (bench, bench-<target>; default 10)
 REPS ?= 10
 # var BENCH_ARGS: more arguments for the CPU bench (kit bench --help), e.g. --record-only or "--checkpoints split"
@@ -163,7 +180,7 @@ stress: setup ## many requests over one context on every checkpoint path, every 
 regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
 	$(KIT) regress $(if $(VLLM),--vllm $(VLLM))
 
-upstream-suite: setup ## vLLM's own tests/v1/core/prefix_cache on both trees (VLLM=0.33.0|0.34.0|newest: a later release's)
+upstream-suite: setup ## vLLM's own tests/v1/core (and the worker tests of the modded files) on the pristine, unpatched and patched trees (VLLM=0.33.0|0.34.0|newest: a later release's)
 	$(KIT) upstream-suite $(if $(VLLM),--vllm $(VLLM))
 
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
