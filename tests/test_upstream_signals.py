@@ -1,4 +1,5 @@
-"""SIGTERM to the upstream-suite runner: every pytest run (and what it started) ends,
+"""SIGTERM to the upstream-suite runner: every pytest run (pristine, unpatched, patched,
+and what each started) ends,
 and the committed logs and junit files stay as they were. The runner's own code
 path (kit.vllm_tree.upstream_suite.main) runs in a subprocess; only the suite is a stand-in
 that never finishes."""
@@ -34,6 +35,8 @@ tests_dir, package, out = map(Path, sys.argv[1:4])
 upstream_suite.extract_tests = lambda sdist, version=None: tests_dir
 upstream_suite.sdists.pinned = lambda explicit=None: tests_dir
 upstream_suite.trees.pinned = lambda name, target="cpu": trees.Tree(name, package)
+upstream_suite.trees.venv_vllm = lambda: package  # the pristine tree
+trees.Tree.release = property(lambda tree: "0.0.0")  # the stand-in package has no version
 sys.exit(upstream_suite.main(["--out", str(out)]))
 """
 

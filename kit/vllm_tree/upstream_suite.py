@@ -1,48 +1,83 @@
-"""`make upstream-suite`: vLLM's own tests/v1/core/prefix_cache against both trees.
+"""`make upstream-suite`: vLLM's own scheduler and KV-cache tests against every tree.
 
-The tests come from the release's source distribution (through pip's configured
-index, sha256 checked):
-the pinned release by default, ``--vllm <release>`` (`make upstream-suite
-VLLM=0.34.0`) a later one from pins.toml [releases], run against that release's
-trees (kit/vllm_tree/releases.py). The patched tree must pass every case the
-unpatched tree passes. Two cases need a GPU and a hub model
-(Qwen/Qwen3.5-0.8B) and are deselected with that reason.
+The suite is vLLM's whole ``tests/v1/core`` plus the ``tests/v1/worker`` files
+that test what the mods change (``SUITE``), from the release's source
+distribution (through pip's configured index, sha256 checked): the pinned
+release by default, ``--vllm <release>`` (`make upstream-suite VLLM=0.34.0`) a
+later one from pins.toml [releases], run against that release's trees
+(kit/vllm_tree/releases.py). Trees: pristine (the release as installed, no mod),
+unpatched (plus the enablement and correctness mods) and patched (plus the fix).
+Each tree must pass every case the tree below it passes: unpatched against
+pristine, patched against unpatched.
+
+The cases read hub models' configs from an offline cache the kit writes
+(kit/vllm_tree/offline_hub.py); every case that cannot run here is excluded by
+name with its reason (suite_exclusions.toml), and every case has a wall-clock
+limit (kit.vllm_tree.suite_plugin.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kit import bundle, schema
 from kit.process_group import stop_group
-from kit.vllm_tree import pins, sdists, trees
+from kit.vllm_tree import mods, offline_hub, pins, sdists, trees
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache"
-SUITE = "tests/v1/core/prefix_cache"
-NEEDS_GPU_AND_HUB = (
-    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py::"
-    "test_prefix_cache_hit_rate[base]",
-    "tests/v1/core/prefix_cache/test_hybrid_prefix_cache_hit_rate.py::"
-    "test_prefix_cache_hit_rate[mtp]",
-)
+# vLLM's whole tests/v1/core, and the worker tests of the files the mods change
+# (v1/worker/utils.py: the KV block copies; v1/worker/mamba_utils.py: the
+# align-mode state copies). A path a release lacks is left out for that release.
+SUITE = ("tests/v1/core", "tests/v1/worker/test_utils.py", "tests/v1/worker/test_mamba_utils.py")
+EXCLUSIONS = Path(__file__).resolve().parent / "suite_exclusions.toml"
+# Inside the unpacked tests: the offline hub cache the cases read configs from.
+HUB_HOME = ".kit-hf-home"
 
 
 class SuiteError(RuntimeError):
     pass
 
 
+def exclusions(release: str) -> dict[str, str]:
+    """The cases excluded on ``release``: node id (or a prefix of one) -> the reason."""
+    try:
+        table = tomllib.loads(EXCLUSIONS.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SuiteError(f"{EXCLUSIONS.name}: {exc}; restore it from git") from exc
+    found = {}
+    for entry in table.get("exclude", []):
+        if release in entry.get("releases", [release]):
+            found |= dict.fromkeys(entry["cases"], entry["reason"])
+    return found
+
+
+def suite_paths(tests_dir: Path) -> list[str]:
+    """``SUITE``'s paths this release's tests have."""
+    return [path for path in SUITE if (tests_dir / path).exists()]
+
+
+def _hub_digest() -> str:
+    digest = hashlib.sha256()
+    for config in sorted(offline_hub.CONFIGS.glob("*.json")):
+        digest.update(config.name.encode() + config.read_bytes())
+    return digest.hexdigest()
+
+
 def extract_tests(sdist: Path, version: str | None = None) -> Path:
-    """Unpack only ``tests/`` once; a stamp names the sdist it came from."""
+    """Unpack only ``tests/`` once, with the offline hub cache beside them; a stamp
+    names the sdist and the hub configs it came from."""
     version = version or pins.get("vllm.version")
-    want = pins.file_sha256(sdist)
+    want = f"{pins.file_sha256(sdist)} hub {_hub_digest()}"
     dest = CACHE / f"vllm-{version}-tests"
     stamp = dest / ".kit-stamp"
     if stamp.is_file() and stamp.read_text() == want:
@@ -53,6 +88,8 @@ def extract_tests(sdist: Path, version: str | None = None) -> Path:
     sdists.unpack(sdist, version, "tests", build)
     # Our pyproject's strict pytest settings must not apply to upstream's tests.
     (build / "pytest.ini").write_text("[pytest]\n")
+    # Written here, not per run: in the images the tests are a read-only mount.
+    offline_hub.write(build / HUB_HOME)
     stamp_tmp = build / ".kit-stamp"
     stamp_tmp.write_text(want)
     shutil.rmtree(dest, ignore_errors=True)
@@ -94,13 +131,15 @@ def start_suite(
     env = tree.env(
         PYTHONDONTWRITEBYTECODE="1",  # the tests may sit on a read-only mount
         VLLM_LOGGING_LEVEL="ERROR",
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(tests_dir / HUB_HOME),
     )
     env["PYTHONPATH"] += os.pathsep + str(tests_dir)
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        SUITE,
+        *suite_paths(tests_dir),
         "-q",
         "-p",
         "no:cacheprovider",
@@ -111,8 +150,10 @@ def start_suite(
         "--rootdir",
         str(tests_dir),
         f"--junitxml={junit}",
+        "-p",
+        "kit.vllm_tree.suite_plugin",
     ]
-    cmd += [arg for case in NEEDS_GPU_AND_HUB for arg in ("--deselect", case)]
+    cmd += [arg for case in exclusions(tree.release) for arg in ("--deselect", case)]
     if tree.extra_env.get("VLLM_TARGET_DEVICE") == "cpu":
         cmd += ["-p", "kit.vllm_tree.release_plugin"]
     with partial(out_dir / f"upstream-{name}.log").open("w") as log:
@@ -232,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse-flow",
         action="store_true",
-        help="pinned release: read the outcomes of a container-flow run of this kit "
-        "commit whose images carry these trees' vLLM and mods, instead of running again",
+        help="pinned release: read the unpatched and patched outcomes of a container-flow "
+        "run of this kit commit whose images carry these trees' vLLM and mods, instead of "
+        "running them again (the pristine tree runs here)",
     )
     args = parser.parse_args(argv)
     from kit.vllm_tree import releases
@@ -248,69 +290,100 @@ def main(argv: list[str] | None = None) -> int:
             tests_dir = extract_tests(sdist, args.vllm)
             out_dir = args.out or out_dir / args.vllm
             under_test = {
-                name: releases.tree(args.vllm, name) for name in releases.stages(args.vllm)
+                name: releases.tree(args.vllm, name)
+                for name in ("pristine", *releases.stages(args.vllm))
             }
         else:
             tests_dir = extract_tests(sdists.pinned(args.sdist))
-            under_test = {name: trees.pinned(name) for name in trees.TREE_NAMES}
-    except (SuiteError, sdists.SdistError, releases.ReleaseError, OSError) as exc:
+            # The pinned release as installed: the .venv's own vllm, no mod.
+            under_test = {"pristine": trees.Tree("pristine", trees.venv_vllm())}
+            under_test |= {name: trees.pinned(name) for name in trees.TREE_NAMES}
+        excluded = exclusions(under_test["unpatched"].release)
+    except (SuiteError, sdists.SdistError, releases.ReleaseError, mods.ModError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if "patched" not in under_test:
         print(f"error: no mod is made for vLLM {args.vllm}; nothing to compare", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
-    flow_run = flow_run_of(under_test) if args.reuse_flow and not args.vllm else None
+    modded = {name: tree for name, tree in under_test.items() if name != "pristine"}
+    flow_run = flow_run_of(modded) if args.reuse_flow and not args.vllm else None
+    to_run = dict(under_test)
     if flow_run:
-        for name in under_test:
+        for name in modded:
             for suffix in ("xml", "log"):
                 source = bundle.suite_dir(flow_run, name) / f"upstream-{name}.{suffix}"
                 shutil.copy(source, partial(out_dir / source.name))
-        print(f"read from {flow_run.name}: that run's images carry these trees' vLLM and mods")
-    else:
-        # Both trees at once: one core each.
-        runs = {}
-        try:
-            for name, tree in under_test.items():
-                runs[name] = start_suite(name, tests_dir, out_dir, tree)
-            run_suites(runs)
-        except (Stopped, KeyboardInterrupt) as exc:
-            print(
-                f"stopped ({exc or 'SIGINT'}): both runs ended; {out_dir} unchanged",
-                file=sys.stderr,
-            )
-            return 143 if isinstance(exc, Stopped) else 130
+            del to_run[name]
+        print(f"unpatched and patched read from {flow_run.name}: its images carry these trees")
+    # Every tree at once: two cores, a third run shares them.
+    runs = {}
+    try:
+        for name, tree in to_run.items():
+            runs[name] = start_suite(name, tests_dir, out_dir, tree)
+        run_suites(runs)
+    except (Stopped, KeyboardInterrupt) as exc:
+        print(f"stopped ({exc or 'SIGINT'}): every run ended; {out_dir} unchanged", file=sys.stderr)
+        return 143 if isinstance(exc, Stopped) else 130
     junits = commit_outputs(out_dir, list(under_test))
-    report, verdict, ok = compare({name: outcomes(junit) for name, junit in junits.items()})
-    report["ran_in"] = f"results/{flow_run.name} (the images)" if flow_run else "the host's trees"
+    results = {name: outcomes(junit) for name, junit in junits.items()}
+    report, verdict, ok = compare(results, excluded)
+    report["release"] = under_test["unpatched"].release
+    report["ran_in"] = {
+        name: f"results/{flow_run.name} (the images)" if flow_run and name in modded else "host"
+        for name in under_test
+    }
     bundle.write_json(out_dir / bundle.UPSTREAM, report)
     print(verdict)
     return 0 if ok else 1
 
 
-def compare(results: dict[str, dict[str, str]]) -> tuple[dict, str, bool]:
-    """The patched side must pass every case the unpatched side passes."""
-    unpatched, patched = results["unpatched"], results["patched"]
-    lost = sorted(n for n, o in unpatched.items() if o == "passed" and patched.get(n) != "passed")
+# Each tree must pass every case the tree it is built on passes.
+BUILT_ON = (("pristine", "unpatched"), ("unpatched", "patched"))
+
+
+def compare(
+    results: dict[str, dict[str, str]], excluded: dict[str, str] | None = None
+) -> tuple[dict, str, bool]:
+    """Unpatched must pass every case pristine passes (where pristine ran), patched
+    every case unpatched passes; the excluded cases are listed by reason."""
     summary = {
         name: {k: list(r.values()).count(k) for k in OUTCOMES} for name, r in results.items()
     }
+    lost = {
+        f"passed_{base}_not_{tree}": sorted(
+            case
+            for case, outcome in results[base].items()
+            if outcome == "passed" and results[tree].get(case) != "passed"
+        )
+        for base, tree in BUILT_ON
+        if base in results and tree in results
+    }
+    reasons: dict[str, list[str]] = {}
+    for case, reason in (excluded or {}).items():
+        reasons.setdefault(reason, []).append(case)
     # Stamped here: the container flow writes this report too.
     report = schema.stamp("upstream-suite", {}) | {
-        "suite": SUITE,
-        "deselected_needs_gpu_and_hub": list(NEEDS_GPU_AND_HUB),
+        "suite": list(SUITE),
+        "excluded": reasons,
         "summary": summary,
-        "passed_unpatched_not_patched": lost,
+        **lost,
     }
     lines = [f"{name:10s} {counts}" for name, counts in summary.items()]
-    lines.append(f"deselected (need a GPU and Qwen/Qwen3.5-0.8B): {len(NEEDS_GPU_AND_HUB)}")
-    if lost:
-        lines.append("patched fails cases the unpatched passes:\n  " + "\n  ".join(lost))
-        return report, "\n".join(lines), False
+    lines += [f"excluded: {len(cases)} ({reason})" for reason, cases in reasons.items()]
+    broken = [
+        f"{key.replace('_', ' ')}:\n  " + "\n  ".join(cases) for key, cases in lost.items() if cases
+    ]
+    if broken:
+        return report, "\n".join([*lines, *broken]), False
     if summary["unpatched"]["passed"] == 0:
         lines.append("no upstream case passed on the unpatched side; the suite did not run")
         return report, "\n".join(lines), False
-    lines.append("patched passes every case the unpatched passes")
+    lines.append(
+        "every tree passes every case the tree it is built on passes"
+        if "pristine" in results
+        else "patched passes every case the unpatched passes"
+    )
     return report, "\n".join(lines), True
 
 
