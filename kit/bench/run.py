@@ -597,6 +597,12 @@ def main(argv: list[str] | None = None) -> int:
         where = _give_up(out, chosen, str(exc), "failed")
         print(f"error: {exc}\nlogs: {where / bundle.LOGS}", file=sys.stderr)
         return 1
+    except BaseException as exc:
+        # Anything else (a tree that cannot be built, a bug): the folder still says
+        # why, and the error goes on up (kit/cli.py: one line for a kit error, the
+        # traceback for a bug).
+        _give_up(out, chosen, f"{type(exc).__name__}: {exc}", "failed")
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -608,7 +614,10 @@ def _give_up(out: Path, chosen: bool, reason: str, status: str) -> Path:
     it is now."""
     if (out / bundle.BENCH).is_file():
         return out
-    bundle.write_failed(out, reason, status)
+    try:
+        bundle.write_failed(out, reason, status)
+    except OSError as exc:  # a full or read-only disk: say so, and keep the first error
+        print(f"could not write {out / bundle.FAILED}: {exc}", file=sys.stderr)
     if chosen:
         moved = out.with_name(out.name + "-failed")
         os.replace(out, moved)

@@ -11,24 +11,42 @@ overrides, empty leaves pip's own configuration). Runs with the system Python
 kit, the Docker SDK and huggingface_hub, by hash from locks/host-venv-<arch>.txt
 (one lock per platform serves both Pythons; make lock-deps checks that they
 resolve the same); vLLM runs in the images.
+
+A rebuild never costs the working .venv: a venv's scripts (bin/activate, the
+shebangs of bin/*) embed its absolute path, so the new one is built at .venv's own
+path with the old one moved aside to .venv.old-<pid>, and put back if the build
+fails, is interrupted (Ctrl-C, SIGTERM: pip's process group is stopped first) or
+was killed outright (the next setup finds the folder of a process that is gone).
+A failure is one line on stderr, ``error: ...``, naming what pip said and what to
+do; pip's own output goes to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import fcntl
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-import tomllib
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from kit.process_group import ProcessGroupError, stop_group
+from kit.vllm_tree.pins import PinError
+from kit.vllm_tree.pins import load as load_pins
+
 ROOT = Path(__file__).resolve().parents[2]
+PINS = ROOT / "pins.toml"
 VENV = ROOT / ".venv"
 STAMP = VENV / ".kit-setup.json"
 PY = VENV / "bin" / "python"
@@ -91,9 +109,178 @@ def kit_installed() -> bool:
     return probe.returncode == 0 and probe.stdout.strip() == str(ROOT / "kit" / "__init__.py")
 
 
+class SetupError(RuntimeError):
+    """What stops a setup, said in one line with what to do."""
+
+    exit_code = 2
+
+
+class CommandFailed(SetupError):
+    def __init__(self, cmd: list[str], code: int, tail: list[str]) -> None:
+        self.cmd, self.code, self.tail = cmd, code, tail
+        super().__init__(f"{' '.join(cmd[:4])} ... exited with {code}: {self.last_line()}")
+
+    def last_line(self) -> str:
+        """The line of the command's output that says what went wrong: pip's last
+        ``ERROR:`` line, else its last non-empty one."""
+        lines = [line.strip() for line in self.tail if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR:")]
+        line = (errors or lines or ["(no output)"])[-1]
+        return line.removeprefix("ERROR:").strip()
+
+    def unreachable(self) -> bool:
+        """Whether the output says an index could not be reached at all."""
+        return any(
+            re.search(
+                r"NewConnectionError|Connection refused|Failed to establish|timed out|"
+                r"Name or service not known|Temporary failure in name resolution",
+                line,
+            )
+            for line in self.tail
+        )
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM: unwind (stopping pip, restoring the old .venv), exit 128 +
+    the signal. A BaseException so that nothing on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, _frame: object) -> None:
+    # A second signal must not cut the restore of the first short.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextmanager
+def _signals_stop() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread takes signals (a caller's own thread: its business)
+        return
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run(cmd: list[str]) -> None:
+    """Run a step, its output (stdout and stderr) echoed to stdout; raise
+    ``CommandFailed`` with its last lines when it fails. The step runs in a process
+    group of its own, stopped whole (pip and whatever it started) when this process
+    is interrupted, so nothing goes on writing into a .venv being restored."""
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            tail.append(line)
+        code = proc.wait()
+    except BaseException:
+        with suppress(ProcessGroupError):
+            stop_group(proc.pid, grace=10)
+        proc.wait()
+        raise
+    finally:
+        proc.stdout.close()
+    if code != 0:
+        raise CommandFailed(cmd, code, list(tail))
+
+
+@contextmanager
+def _setup_lock(venv: Path) -> Iterator[None]:
+    """One setup of ``venv`` at a time: a lock on the folder that holds it (no file
+    left behind); a second setup waits, then finds the venv built."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(venv.parent, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{venv}: another setup is running here; waiting for it", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def recover(venv: Path) -> None:
+    """Undo what a setup killed outright (SIGKILL, a power cut) left beside ``venv``:
+    ``<venv>.trash-<pid>``, an old venv whose replacement was finished, is removed;
+    ``<venv>.old-<pid>``, a working venv moved aside for a build that never finished,
+    replaces the half-built one. A running setup's folders are left alone."""
+    for leftover in sorted(venv.parent.glob(f"{venv.name}.*-*")):
+        kind, _, pid = leftover.name.removeprefix(f"{venv.name}.").partition("-")
+        if kind not in ("old", "trash") or not pid.isdigit():
+            continue
+        if int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue
+        if kind == "trash":
+            _remove(leftover)
+            continue
+        _remove(venv)
+        os.replace(leftover, venv)
+        print(f"{venv}: restored the working venv an interrupted setup left in {leftover.name}")
+
+
+@contextmanager
+def _replacing(venv: Path) -> Iterator[bool]:
+    """Build a new venv at ``venv``'s own path (its scripts embed the path: one
+    built elsewhere and renamed would point at the wrong place), the old one moved
+    aside meanwhile: kept on success, put back on any failure or interruption.
+    Yields whether there was an old one."""
+    aside = venv.with_name(f"{venv.name}.old-{os.getpid()}")
+    had_old = venv.exists() or venv.is_symlink()
+    if had_old:
+        os.replace(venv, aside)
+    try:
+        yield had_old
+    except BaseException:
+        # No signal may cut the restore short.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            _remove(venv)
+            if had_old:
+                os.replace(aside, venv)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
+    if had_old:
+        # Renamed first: a setup killed while removing it leaves a trash folder, never
+        # a half-removed venv that looks like one to restore.
+        trash = venv.with_name(f"{venv.name}.trash-{os.getpid()}")
+        os.replace(aside, trash)
+        _remove(trash)
 
 
 def light_requirements(pins: dict) -> list[str]:
@@ -170,7 +357,71 @@ def install_locked(pip: list[str], lock: Path, torch_index: str) -> None:
         run(pip + [*locked, str(parts["rest"])])
 
 
+def _pip_failed(exc: CommandFailed, torch_index: str | None, had_old: bool) -> SetupError:
+    reach = (
+        "the package index could not be reached"
+        if exc.unreachable()
+        else "pip found no matching file on the indexes it could reach"
+    )
+    torch = f"torch's index: TORCH_INDEX={torch_index or ''} (TORCH_INDEX= : pip's own); "
+    kept = "the previous .venv is kept" if had_old else "no .venv was made"
+    return SetupError(
+        f"pip could not install the pinned packages: {exc.last_line()} ({reach}); check the "
+        f"network and the package index (pip config, PIP_INDEX_URL; {torch}"
+        f"offline: KIT_WHEELHOUSE=<folder of wheels>), then run make setup again; {kept}"
+    )
+
+
+def _step_failed(exc: CommandFailed, what: str, todo: str, had_old: bool) -> SetupError:
+    kept = "; the previous .venv is kept" if had_old else ""
+    return SetupError(f"{what} failed (exit {exc.code}: {exc.last_line()}); {todo}{kept}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``make setup``; every failure is one line on stderr and the exit status 2
+    (130/143 for Ctrl-C/SIGTERM), the working .venv kept."""
+    state = {"had_old": False, "building": False}
+    try:
+        with _signals_stop():
+            return _main(argv, state)
+    except SetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # a full or read-only disk while writing the venv or its stamp
+        kept = "; the previous .venv is kept" if state["building"] and state["had_old"] else ""
+        print(
+            f"error: {exc}; check the free space and permissions of {VENV.parent}, then run "
+            f"make setup again{kept}",
+            file=sys.stderr,
+        )
+        return 2
+    except Stopped as exc:
+        if not state["building"]:
+            back = "run make setup again to finish"
+        elif state["had_old"]:
+            back = "the previous .venv is back in place"
+        else:
+            back = "no .venv was made"
+        print(f"setup: stopped by {exc}; {back}", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def _pins_for(pins: dict, light: bool) -> tuple[list[str], dict]:
+    """The requirements a setup installs, and the [cpu] table; a missing table or key
+    in pins.toml is a ``SetupError`` naming it."""
+    try:
+        if light:
+            return light_requirements(pins), {}
+        cpu = pins["cpu"]
+        return requirements(pins), {k: cpu[k] for k in ("python", "torch_index")}
+    except (KeyError, TypeError) as exc:
+        raise SetupError(
+            f"{PINS}: no {exc} (a table or key the setup reads from [cpu] and [tools]); "
+            f"restore it (git diff {PINS.name} shows what changed)"
+        ) from exc
+
+
+def _main(argv: list[str] | None, state: dict) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--force", action="store_true", help="rebuild .venv even if it looks fine")
     parser.add_argument(
@@ -179,7 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the GPU hosts' setup: the kit, the Docker SDK and huggingface_hub (no vLLM)",
     )
     args = parser.parse_args(argv)
-    pins = tomllib.loads((ROOT / "pins.toml").read_text())
+    try:
+        pins = load_pins(PINS)
+    except PinError as exc:
+        raise SetupError(str(exc)) from exc
+    reqs, cpu = _pins_for(pins, args.light)
     version = sys.version.split()[0]
     if args.light:
         if sys.version_info[:2] not in LIGHT_PYTHONS:
@@ -201,72 +456,106 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         want = {
-            "light": light_requirements(pins),
+            "light": reqs,
             "python": version,
             "lock_sha256": hashlib.sha256(lock.read_bytes()).hexdigest(),
         }
-        if args.force or not light_healthy(want["lock_sha256"]):
-            if VENV.exists():
-                shutil.rmtree(VENV)
-            run([sys.executable, "-m", "venv", str(VENV)])
-            # The whole closure by hash, no resolver (the lock is every package).
-            pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-            run([*pip, "--require-hashes", "--no-deps", "--only-binary", ":all:", "-r", str(lock)])
-            # The kit from this checkout, by path: Python 3.12 venvs have no setuptools
-            # to build an editable install with, and the kit needs no build.
-            (purelib() / "hybrid_prefix_kit.pth").write_text(f"{ROOT}\n")
-            STAMP.write_text(json.dumps(want, indent=1) + "\n")
+        with _setup_lock(VENV):
+            recover(VENV)
+            if args.force or not light_healthy(want["lock_sha256"]):
+                state["building"] = True
+                with _replacing(VENV) as state["had_old"]:
+                    _venv(state["had_old"])
+                    # The whole closure by hash, no resolver (the lock is every package).
+                    pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+                    locked = ["--require-hashes", "--no-deps", "--only-binary", ":all:"]
+                    try:
+                        run([*pip, *locked, "-r", str(lock)])
+                    except CommandFailed as exc:
+                        raise _pip_failed(exc, None, state["had_old"]) from exc
+                    # The kit from this checkout, by path: Python 3.12 venvs have no
+                    # setuptools to build an editable install with, and the kit needs no build.
+                    (purelib() / "hybrid_prefix_kit.pth").write_text(f"{ROOT}\n")
+                    STAMP.write_text(json.dumps(want, indent=1) + "\n")
+                state["building"] = False
         print(f"{VENV}: host setup ready (the kit, docker, huggingface_hub)")
         return 0
-    if sys.version_info[:2] != tuple(int(x) for x in pins["cpu"]["python"].split(".")):
+    if sys.version_info[:2] != tuple(int(x) for x in str(cpu["python"]).split(".")):
         print(
-            f"error: the CPU setup needs Python {pins['cpu']['python']} (found {version}); "
-            f"run with PYTHON=python{pins['cpu']['python']} (GPU hosts: make setup-host)",
+            f"error: the CPU setup needs Python {cpu['python']} (found {version}); "
+            f"run with PYTHON=python{cpu['python']} (GPU hosts: make setup-host)",
             file=sys.stderr,
         )
         return 2
     lock = LOCKS / f"cpu-venv-{platform.machine()}.txt"
-    want = {"requirements": requirements(pins), "python": version}
+    want = {"requirements": reqs, "python": version}
     if lock.is_file():
         want["lock_sha256"] = hashlib.sha256(lock.read_bytes()).hexdigest()
-    if args.force or not healthy(want):
-        if VENV.exists():
-            print(f"{VENV}: missing, stale or broken; rebuilding", flush=True)
-            shutil.rmtree(VENV)
-        run([sys.executable, "-m", "venv", str(VENV)])
-        pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-        wheelhouse = os.environ.get("KIT_WHEELHOUSE")
-        if wheelhouse:
-            pip += ["--find-links", wheelhouse]
-        torch_index = os.environ.get("TORCH_INDEX", pins["cpu"]["torch_index"])
-        if lock.is_file():
-            install_locked(pip, lock, torch_index)
-        else:
-            print(f"note: no {lock.relative_to(ROOT)}; installing the pins unlocked", flush=True)
-            index = ["--extra-index-url", torch_index] if torch_index else []
-            # torch first and alone, so pip takes the CPU build and not a CUDA one.
-            run(pip + index + [want["requirements"][0]])
-            run(pip + want["requirements"])
-        run([str(PY), "-m", "pip", "uninstall", "-y", "-q", *INCOMPATIBLE])
-        STAMP.write_text(json.dumps(want, indent=1) + "\n")
-    if not kit_installed():
-        # The kit itself, editable: its dependencies are the pins above (no resolver
-        # run), and the venv's own setuptools builds it (nothing fetched).
-        run(
-            [
-                str(PY),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--no-build-isolation",
-                "-e",
-                str(ROOT),
-            ]
-        )
-    run([str(PY), "-m", "kit.vllm_tree.trees"])
+    with _setup_lock(VENV):
+        recover(VENV)
+        if args.force or not healthy(want):
+            if VENV.exists():
+                print(
+                    f"{VENV}: missing, stale or broken; rebuilding (the old one is kept "
+                    "aside until the new one is ready)",
+                    flush=True,
+                )
+            state["building"] = True
+            with _replacing(VENV) as state["had_old"]:
+                _venv(state["had_old"])
+                pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+                wheelhouse = os.environ.get("KIT_WHEELHOUSE")
+                if wheelhouse:
+                    pip += ["--find-links", wheelhouse]
+                torch_index = os.environ.get("TORCH_INDEX", cpu["torch_index"])
+                try:
+                    if lock.is_file():
+                        install_locked(pip, lock, torch_index)
+                    else:
+                        note = f"note: no {lock.relative_to(ROOT)}; installing the pins unlocked"
+                        print(note, flush=True)
+                        index = ["--extra-index-url", torch_index] if torch_index else []
+                        # torch first and alone, so pip takes the CPU build and not a CUDA one.
+                        run(pip + index + [want["requirements"][0]])
+                        run(pip + want["requirements"])
+                    run([str(PY), "-m", "pip", "uninstall", "-y", "-q", *INCOMPATIBLE])
+                except CommandFailed as exc:
+                    raise _pip_failed(exc, torch_index, state["had_old"]) from exc
+                STAMP.write_text(json.dumps(want, indent=1) + "\n")
+            state["building"] = False
+        if not kit_installed():
+            # The kit itself, editable: its dependencies are the pins above (no resolver
+            # run), and the venv's own setuptools builds it (nothing fetched).
+            editable = ["install", "-q", "--no-deps", "--no-build-isolation", "-e", str(ROOT)]
+            try:
+                run([str(PY), "-m", "pip", *editable])
+            except CommandFailed as exc:
+                raise _step_failed(
+                    exc, "installing the kit into .venv", "see pip's output above", False
+                ) from exc
+    try:
+        run([str(PY), "-m", "kit.vllm_tree.trees"])
+    except CommandFailed as exc:
+        raise _step_failed(
+            exc,
+            "building the vLLM trees",
+            "see its output above, then run make setup again",
+            False,
+        ) from exc
     return 0
+
+
+def _venv(had_old: bool) -> None:
+    """An empty venv at VENV (inside ``_replacing``)."""
+    try:
+        run([sys.executable, "-m", "venv", str(VENV)])
+    except CommandFailed as exc:
+        raise _step_failed(
+            exc,
+            f"{sys.executable} -m venv",
+            "install the Python's venv module (Debian: apt install python3-venv)",
+            had_old,
+        ) from exc
 
 
 if __name__ == "__main__":

