@@ -19,6 +19,7 @@ limit (kit.vllm_tree.suite_plugin.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -42,6 +43,9 @@ SUITE = ("tests/v1/core", "tests/v1/worker/test_utils.py", "tests/v1/worker/test
 EXCLUSIONS = Path(__file__).resolve().parent / "suite_exclusions.toml"
 # Inside the unpacked tests: the offline hub cache the cases read configs from.
 HUB_HOME = ".kit-hf-home"
+# Source folders beyond tests/ that cases read, unpacked where a release has them
+# (0.34.0's prompt-hash cases compare against the Rust client's vectors).
+TEST_DATA = ("rust/src/engine-core-client/src/tests",)
 
 
 class SuiteError(RuntimeError):
@@ -77,7 +81,7 @@ def extract_tests(sdist: Path, version: str | None = None) -> Path:
     """Unpack only ``tests/`` once, with the offline hub cache beside them; a stamp
     names the sdist and the hub configs it came from."""
     version = version or pins.get("vllm.version")
-    want = f"{pins.file_sha256(sdist)} hub {_hub_digest()}"
+    want = f"{pins.file_sha256(sdist)} hub {_hub_digest()} data {','.join(TEST_DATA)}"
     dest = CACHE / f"vllm-{version}-tests"
     stamp = dest / ".kit-stamp"
     if stamp.is_file() and stamp.read_text() == want:
@@ -86,6 +90,10 @@ def extract_tests(sdist: Path, version: str | None = None) -> Path:
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir(parents=True)
     sdists.unpack(sdist, version, "tests", build)
+    for data in TEST_DATA:
+        # A release without the folder has no case that reads it.
+        with contextlib.suppress(sdists.SdistError):
+            sdists.unpack(sdist, version, data, build)
     # Our pyproject's strict pytest settings must not apply to upstream's tests.
     (build / "pytest.ini").write_text("[pytest]\n")
     # Written here, not per run: in the images the tests are a read-only mount.
@@ -121,13 +129,8 @@ def _stop(signum: int, _frame: object) -> None:
     raise Stopped(signal.Signals(signum).name)
 
 
-def start_suite(
-    name: str, tests_dir: Path, out_dir: Path, tree: trees.Tree
-) -> tuple[subprocess.Popen, Path]:
-    """Run the suite against one tree, in the background, in its own process group;
-    returns the process and its junit file. Both the junit and the log are written to
-    ``partial`` names; ``commit_outputs`` renames them once the run finished."""
-    junit = partial(out_dir / f"upstream-{name}.xml")
+def suite_env(tree: trees.Tree, tests_dir: Path) -> dict[str, str]:
+    """The environment of a pytest run of vLLM's tests against ``tree``."""
     env = tree.env(
         PYTHONDONTWRITEBYTECODE="1",  # the tests may sit on a read-only mount
         VLLM_LOGGING_LEVEL="ERROR",
@@ -135,32 +138,33 @@ def start_suite(
         HF_HOME=str(tests_dir / HUB_HOME),
     )
     env["PYTHONPATH"] += os.pathsep + str(tests_dir)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        *suite_paths(tests_dir),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-W",
-        "ignore",
-        "-c",
-        str(tests_dir / "pytest.ini"),
-        "--rootdir",
-        str(tests_dir),
-        f"--junitxml={junit}",
-        "-p",
-        "kit.vllm_tree.suite_plugin",
-    ]
-    cmd += [arg for case in exclusions(tree.release) for arg in ("--deselect", case)]
+    return env
+
+
+def pytest_command(tree: trees.Tree, tests_dir: Path, *args: str) -> list[str]:
+    """pytest over vLLM's tests with the kit's plugins, upstream's own settings only."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+    cmd += ["-c", str(tests_dir / "pytest.ini"), "--rootdir", str(tests_dir)]
+    cmd += ["-p", "kit.vllm_tree.suite_plugin"]
     if tree.extra_env.get("VLLM_TARGET_DEVICE") == "cpu":
         cmd += ["-p", "kit.vllm_tree.release_plugin"]
+    return [*cmd, *args]
+
+
+def start_suite(
+    name: str, tests_dir: Path, out_dir: Path, tree: trees.Tree
+) -> tuple[subprocess.Popen, Path]:
+    """Run the suite against one tree, in the background, in its own process group;
+    returns the process and its junit file. Both the junit and the log are written to
+    ``partial`` names; ``commit_outputs`` renames them once the run finished."""
+    junit = partial(out_dir / f"upstream-{name}.xml")
+    deselect = [arg for case in exclusions(tree.release) for arg in ("--deselect", case)]
+    cmd = pytest_command(tree, tests_dir, *suite_paths(tests_dir), f"--junitxml={junit}")
     with partial(out_dir / f"upstream-{name}.log").open("w") as log:
         proc = subprocess.Popen(
-            cmd,
+            [*cmd, *deselect],
             cwd=tests_dir,
-            env=env,
+            env=suite_env(tree, tests_dir),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
