@@ -9,7 +9,7 @@ VENV_PY := .venv/bin/python
 KIT := $(VENV_PY) -m kit.cli
 TREES := unpatched patched
 
-.PHONY: stress help setup test lint mods-list mods-drift regress upstream-suite tiny-model bench bench-cpu \
+.PHONY: stress help setup test lint mods-list mods-drift regress upstream-suite upstream-check tiny-model bench bench-cpu \
   turn-cost bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images setup-host lock lock-deps
@@ -64,6 +64,8 @@ else
 	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --reuse-flow
 	@$(PHASE) "vLLM's v1 core suite, newest release, pristine/unpatched/patched" \
 	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --vllm newest
+	@$(PHASE) "upstream changes: each patch on pristine vLLM, its new tests without and with it, the v1 core suite" \
+	  $(VENV_PY) -m kit.vllm_tree.upstream_check
 endif
 
 lint: setup ## ruff over the kit's Python
@@ -116,6 +118,15 @@ loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, f
 .PHONY: kernel-check
 kernel-check: setup ## the kit's CPU kernels (align copies, CPU GDN) against vLLM's own Triton kernels under Triton's interpreter; results/kernel-check.json
 	$(KIT) kernel-check --out results/kernel-check.json
+
+# device-check needs no .venv and no network: the bundle under kit/rig/kernel_check_device
+# (written by `kit kernel-check --export`) holds the cases and vLLM's kernel files.
+# var DEVICE_PYTHON: the Python of device-check, with torch and Triton (default python3)
+DEVICE_PYTHON ?= python3
+.PHONY: device-check
+device-check: ## on a GPU machine: the same checks with vLLM's compiled Triton kernels (0.32.0; FLA and SSD also 0.34.0), from the repository alone; results/kernel-check-cuda.json (DRY_RUN=1: interpreter, CPU, tiny cases)
+	$(DEVICE_PYTHON) kit/rig/kernel_check_triton.py --bundle kit/rig/kernel_check_device \
+	  $(if $(filter 1,$(DRY_RUN)),--dry-run --out .cache/device-check-dry-run.json,--device cuda --out results/kernel-check-cuda.json)
 
 # var BUNDLES: one results folder, or two to compare (report; default the newest bundle)
 BUNDLES ?= $(patsubst %/bench.json,%,$(lastword $(sort $(wildcard results/*/bench.json))))
@@ -182,6 +193,9 @@ regress: setup ## geometry table, unpatched vs patched, under results/regression
 
 upstream-suite: setup ## vLLM's own tests/v1/core (and the worker tests of the modded files) on the pristine, unpatched and patched trees (VLLM=0.33.0|0.34.0|newest: a later release's)
 	$(KIT) upstream-suite $(if $(VLLM),--vllm $(VLLM))
+
+upstream-check: setup ## each change under upstream/ on pristine vLLM (its release): git apply, its new tests fail without it and pass with it, its vllm/ part equals the mod, vLLM's v1 core suite passes with it; results/upstream-check.json
+	$(KIT) upstream-check
 
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
 	$(KIT) tiny-model --out .models/tiny-qwen3-next

@@ -46,7 +46,11 @@ JOBS: dict[str, tuple[str, str]] = {
     "loss-sweep": ("kit.rig.loss_sweep", "EAGLE-specific loss over seeded random geometries"),
     "upstream-suite": (
         "kit.vllm_tree.upstream_suite",
-        "vLLM's own prefix-cache tests on both trees",
+        "vLLM's own v1 core tests on the pristine, unpatched and patched trees",
+    ),
+    "upstream-check": (
+        "kit.vllm_tree.upstream_check",
+        "each upstream/ change applied to pristine vLLM: its tests, the mod, the suite",
     ),
     "kernel-check": ("kit.rig.kernel_check", "the kit's CPU kernels against vLLM's Triton ones"),
     "bench": ("kit.bench.run", "cached follow-up TTFT, unpatched vs patched, one bundle"),

@@ -224,3 +224,24 @@ def test_the_licence_is_apache_2() -> None:
     assert licence.is_file()
     head = licence.read_text()[:200]
     assert "Apache License" in head and "Version 2.0" in head
+
+
+SUITE_ROW = re.compile(
+    r"^\| (\d+\.\d+\.\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| `(results/[^`]+)` \|$",
+    re.M,
+)
+
+
+def test_the_readme_suite_counts_are_the_results_files() -> None:
+    """The README's table of vLLM's own suite per release and tree equals the
+    upstream-suite.json it names."""
+    rows = SUITE_ROW.findall(text(README))
+    assert {row[0] for row in rows} >= {"0.32.0", "0.34.0"}, rows
+    for release, stock, unpatched, patched, failed, excluded, path in rows:
+        report = json.loads((ROOT / path).read_text())
+        summary = report["summary"]
+        assert report.get("release", release) == release, path
+        shown = (int(stock), int(unpatched), int(patched))
+        assert shown == tuple(summary[t]["passed"] for t in ("pristine", "unpatched", "patched"))
+        assert int(failed) == max(s["failed"] for s in summary.values()), path
+        assert int(excluded) == sum(len(cases) for cases in report["excluded"].values()), path

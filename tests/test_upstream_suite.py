@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from kit.vllm_tree import offline_hub, pins, releases, sdists, trees, upstream_suite
+from kit.vllm_tree import (
+    offline_hub,
+    pins,
+    releases,
+    sdists,
+    suite_plugin,
+    trees,
+    upstream_suite,
+)
 
 RELEASES = [pins.get("vllm.version"), *pins.load().get("releases", {})]
 
@@ -68,12 +76,21 @@ def test_each_excluded_name_is_a_case_of_a_release_it_names() -> None:
         for entry in table["exclude"]
         for case in entry["cases"]
         if not any(
-            line.startswith(case)
+            suite_plugin.excluded(line, {case})
             for release in entry.get("releases", RELEASES)
             for line in listed[release]
         )
     ]
     assert not stale, f"excluded but a case of none of its releases: {stale}"
+
+
+def test_an_exclusion_names_one_test_not_every_test_it_begins() -> None:
+    names = {"t.py::test_bind", "t.py::test_c[1]"}
+    assert suite_plugin.excluded("t.py::test_bind", names)
+    assert suite_plugin.excluded("t.py::test_bind[a-b]", names)
+    assert not suite_plugin.excluded("t.py::test_bind_more", names)
+    assert suite_plugin.excluded("t.py::test_c[1]", names)
+    assert not suite_plugin.excluded("t.py::test_c[2]", names)
 
 
 def test_a_tree_that_loses_a_case_fails() -> None:

@@ -8,6 +8,10 @@ Loaded with ``-p kit.vllm_tree.suite_plugin`` by kit/vllm_tree/upstream_suite.py
   run goes on. ``KIT_SUITE_TIMEOUT_S`` sets it (default 300 s). SIGALRM
   interrupts a blocking call in the main thread (PEP 475 runs the handler, whose
   exception ends the call); standard library only, so no dependency joins the lock.
+- ``--kit-exclude NAME`` (repeatable) deselects a case by its exact node id, or
+  every parameter set of it when NAME has no ``[...]``. pytest's own
+  ``--deselect`` matches prefixes, so excluding ``test_bind_kv_cache`` would
+  also drop ``test_bind_kv_cache_keeps_scheduler_block_views_for_runner``.
 - Every case is marked ``skip_global_cleanup``, the marker vLLM's own
   tests/conftest.py offers. Its per-case cleanup tears down a distributed
   environment these cases never start and frees accelerator memory the CPU does
@@ -39,7 +43,20 @@ def _expire(signum: int, _frame: object) -> None:
     raise SuiteTimeout(f"ran past the suite's per-test limit of {limit_s()} s")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--kit-exclude", action="append", default=[], metavar="NAME")
+
+
+def excluded(nodeid: str, names: set[str]) -> bool:
+    return nodeid in names or nodeid.split("[", 1)[0] in names
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    names = set(config.getoption("kit_exclude"))
+    dropped = [item for item in items if excluded(item.nodeid, names)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not excluded(item.nodeid, names)]
     for item in items:
         item.add_marker(pytest.mark.skip_global_cleanup)
 

@@ -158,7 +158,7 @@ def start_suite(
     returns the process and its junit file. Both the junit and the log are written to
     ``partial`` names; ``commit_outputs`` renames them once the run finished."""
     junit = partial(out_dir / f"upstream-{name}.xml")
-    deselect = [arg for case in exclusions(tree.release) for arg in ("--deselect", case)]
+    deselect = [arg for case in exclusions(tree.release) for arg in ("--kit-exclude", case)]
     cmd = pytest_command(tree, tests_dir, *suite_paths(tests_dir), f"--junitxml={junit}")
     with partial(out_dir / f"upstream-{name}.log").open("w") as log:
         proc = subprocess.Popen(

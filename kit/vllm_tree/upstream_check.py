@@ -1,0 +1,231 @@
+"""`make upstream-check`: each change in upstream/ as vLLM's maintainers would take it.
+
+``upstream/<name>/`` holds ``fix.patch`` (a git diff against the release's
+source root: ``vllm/...`` and the tests it adds under ``tests/...``),
+``upstream.toml`` (``mod``: the kit's mod it must equal; ``release``;
+``new_tests``: the node ids the patch adds) and ``PR.md``. For each, on a
+pristine copy of the release's sdist (``vllm/`` and ``tests/``):
+
+1. ``git apply --check`` of the whole patch;
+2. its ``vllm/`` part leaves every file exactly as the kit's mod leaves it (the
+   mod engine applied to another pristine copy): one change, two spellings;
+3. with only its ``tests/`` part the new tests fail, with the whole patch they pass;
+4. vLLM's v1 core suite (kit/vllm_tree/upstream_suite.py) on the patched source
+   passes every case the pristine tree passes (``--suite``; the pristine
+   outcomes are read from ``results/upstream-suite/<release>/``, which `make
+   test` writes on the same sdist).
+
+Writes ``results/upstream-check.json``; exits 1 when any step fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from kit import bundle
+from kit.vllm_tree import mods, releases, sdists, trees, upstream_suite
+
+ROOT = Path(__file__).resolve().parents[2]
+UPSTREAM = ROOT / "upstream"
+OUT = ROOT / "results" / "upstream-check.json"
+
+
+class CheckError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Change:
+    name: str
+    folder: Path
+    mod: str
+    release: str
+    new_tests: tuple[str, ...]
+
+    @property
+    def patch(self) -> Path:
+        return self.folder / "fix.patch"
+
+
+def changes(root: Path = UPSTREAM) -> list[Change]:
+    found = []
+    for manifest in sorted(root.glob("*/upstream.toml")):
+        try:
+            data = tomllib.loads(manifest.read_text())
+            found.append(
+                Change(
+                    manifest.parent.name,
+                    manifest.parent,
+                    data["mod"],
+                    data["release"],
+                    tuple(data["new_tests"]),
+                )
+            )
+        except (tomllib.TOMLDecodeError, KeyError) as exc:
+            raise CheckError(f"{manifest}: {exc}; it needs mod, release and new_tests") from exc
+    return found
+
+
+def pristine_source(release: str, dest: Path) -> Path:
+    """``dest`` with the release's ``vllm/`` and ``tests/`` from its sdist, and what
+    vLLM's tests need here (the offline hub cache, an empty pytest.ini)."""
+    sdist = sdists.release(release)
+    for part in ("vllm", "tests", *upstream_suite.TEST_DATA):
+        try:
+            sdists.unpack(sdist, release, part, dest)
+        except sdists.SdistError:
+            if part in ("vllm", "tests"):
+                raise
+    (dest / "pytest.ini").write_text("[pytest]\n")
+    upstream_suite.offline_hub.write(dest / upstream_suite.HUB_HOME)
+    return dest
+
+
+def git_apply(source: Path, patch: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", "apply", *args, str(patch)], cwd=source, capture_output=True, text=True
+    )
+
+
+def tree_of(source: Path, release: str, name: str) -> trees.Tree:
+    return trees.Tree(
+        name,
+        source / "vllm",
+        extra_paths=(releases.ensure_deps(release),),
+        extra_env={"VLLM_TARGET_DEVICE": "cpu"},
+    )
+
+
+def run_tests(source: Path, release: str, node_ids: tuple[str, ...]) -> dict[str, str]:
+    """Each node id's outcome (passed / failed / ...) on the source tree."""
+    tree = tree_of(source, release, "upstream")
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        subprocess.run(
+            upstream_suite.pytest_command(tree, source, *node_ids, f"--junitxml={junit}"),
+            cwd=source,
+            env=upstream_suite.suite_env(tree, source),
+            capture_output=True,
+            text=True,
+        )
+        found = upstream_suite.outcomes(junit) if junit.is_file() else {}
+    # junit names a case by its module path and name; match them to the node ids.
+    by_name = {case.split("::", 1)[1]: outcome for case, outcome in found.items()}
+    return {node: by_name.get(node.split("::", 1)[1], "not run") for node in node_ids}
+
+
+def same_as_mod(change: Change, patched: Path, work: Path) -> list[str]:
+    """The files the mod touches that differ between the mod's result and the patch's."""
+    by_mod = pristine_source(change.release, work / "by-mod")
+    mod = mods.load_mod(change.mod)
+    mods.apply(by_mod / "vllm", [mod])
+    return [
+        rel
+        for rel in mod.manifest["files"]
+        if (by_mod / "vllm" / rel).read_bytes() != (patched / "vllm" / rel).read_bytes()
+    ]
+
+
+def suite_against_pristine(change: Change, source: Path) -> dict:
+    """The v1 core suite on the patched source; what pristine passes it must pass."""
+    pristine_junit = ROOT / "results" / "upstream-suite" / change.release / "upstream-pristine.xml"
+    if not pristine_junit.is_file():
+        raise CheckError(
+            f"no pristine outcomes for {change.release} ({pristine_junit}); "
+            f"run make upstream-suite VLLM={change.release} first"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        tree = tree_of(source, change.release, "patch")
+        proc, _ = upstream_suite.start_suite("patch", source, out, tree)
+        upstream_suite.run_suites({"patch": (proc, out / "x")})
+        junit = upstream_suite.commit_outputs(out, ["patch"])["patch"]
+        results = {
+            "unpatched": upstream_suite.outcomes(pristine_junit),
+            "patched": upstream_suite.outcomes(junit) if junit.is_file() else {},
+        }
+    report, verdict, ok = upstream_suite.compare(results)
+    return {"ok": ok, "summary": report["summary"], "lost": report["passed_unpatched_not_patched"]}
+
+
+def check(change: Change, suite: bool) -> dict:
+    result: dict = {"mod": change.mod, "release": change.release, "new_tests": change.new_tests}
+    with tempfile.TemporaryDirectory(prefix=f"upstream-{change.name}-") as tmp:
+        work = Path(tmp)
+        source = pristine_source(change.release, work / "source")
+        applies = git_apply(source, change.patch, "--check")
+        result["applies"] = applies.returncode == 0
+        if not result["applies"]:
+            result["error"] = applies.stderr.strip()
+            return result
+        # The tests alone: the new tests must fail on the release as it is.
+        git_apply(source, change.patch, "--include=tests/*")
+        result["without_fix"] = run_tests(source, change.release, change.new_tests)
+        git_apply(source, change.patch, "--include=tests/*", "--reverse")
+        git_apply(source, change.patch)
+        result["with_fix"] = run_tests(source, change.release, change.new_tests)
+        result["differs_from_mod"] = same_as_mod(change, source, work)
+        if suite:
+            result["suite"] = suite_against_pristine(change, source)
+    result["ok"] = (
+        result["applies"]
+        and all(v == "failed" for v in result["without_fix"].values())
+        and all(v == "passed" for v in result["with_fix"].values())
+        and not result["differs_from_mod"]
+        and result.get("suite", {}).get("ok", True)
+    )
+    return result
+
+
+def line(name: str, result: dict) -> str:
+    if not result["applies"]:
+        return f"{name}: FAILED: does not apply: {result.get('error', '')}"
+    parts = [
+        "applies",
+        f"new tests without the fix {sorted(set(result['without_fix'].values()))}",
+        f"with it {sorted(set(result['with_fix'].values()))}",
+        "vllm/ part = the mod"
+        if not result["differs_from_mod"]
+        else f"differs from the mod in {result['differs_from_mod']}",
+    ]
+    if "suite" in result:
+        parts.append(f"v1 core suite {result['suite']['summary']['patched']}")
+    return f"{name}: {'ok' if result['ok'] else 'FAILED'}: " + "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--no-suite", action="store_true", help="skip step 4 (vLLM's v1 core suite per patch)"
+    )
+    parser.add_argument("--out", type=Path, default=OUT, help=f"default {OUT.relative_to(ROOT)}")
+    args = parser.parse_args(argv)
+    if shutil.which("git") is None:
+        print("error: git is not on PATH; install git (it applies the patches)", file=sys.stderr)
+        return 2
+    try:
+        found = changes()
+        results = {change.name: check(change, not args.no_suite) for change in found}
+    except (CheckError, sdists.SdistError, releases.ReleaseError, mods.ModError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not found:
+        print(f"error: no change under {UPSTREAM}", file=sys.stderr)
+        return 2
+    bundle.write_json(args.out, {"changes": results})
+    for name, result in results.items():
+        print(line(name, result))
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
