@@ -3,8 +3,10 @@
 vLLM's kernels come from the pinned sdist and run under Triton's interpreter in
 .venv-triton (built here if missing; kit/rig/kernel_env.py). The copies must equal
 the kit's CPU port bit for bit, the CPU GDN kernel's final and per-chunk states
-FLA's within ``GDN_TOLERANCE``; and the check must fail when the CPU side is
-broken on purpose.
+FLA's within ``GDN_TOLERANCE``; the states exported from one pass (FLA's h, the
+SSD scan's chunk states, on 0.32.0's and 0.34.0's kernels) the float64
+recurrence's and the CPU export's, the off-grid positions refused; and the check
+must fail when the CPU side or a reference is broken on purpose.
 
 Skipped only when .venv-triton cannot be built here (no torch CPU build or
 Triton reachable), and then only outside CI: with CI=true or
@@ -66,6 +68,38 @@ def _run(tmp_path: Path, **kwargs: Any) -> dict[str, Any]:
     return kernel_check.run(tmp_path / "kernel-check.json", **kwargs)
 
 
+def assert_exports_match(result: dict[str, Any], export_mod: bool) -> None:
+    """The export cases of a kernel-check result: every requested position either
+    exported from the pass's own states or refused, exactly as the case laid it out,
+    and the exports within tolerance of the float64 recurrence (and of the CPU
+    export where the tree has it); the same on each later release's kernels."""
+    for release in [result, *result["releases"].values()]:
+        by_kind: dict[str, list[dict[str, Any]]] = {}
+        for case in release["cases"]:
+            by_kind.setdefault(case["kind"], []).append(case)
+        assert by_kind.get("gdn_export") and by_kind.get("ssd_export"), release["kernels"]
+        for case in by_kind["gdn_export"] + by_kind["ssd_export"]:
+            assert case["ok"], (release["kernels"], case["name"])
+            positions = case["positions"]
+            assert positions["as_expected"], case["name"]
+            assert positions["count"] >= 4 and any(positions["refused"]), case["name"]
+        for case in by_kind["gdn_export"]:
+            tol = kernel_check.GDN_EXPORT_TOLERANCE["states"]
+            # h's rows are fp16 under the interpreter: well inside the tolerance.
+            assert case["triton_vs_float64"]["max_rel"] < 0.01, case["name"]
+            assert ("triton_vs_cpu_export" in case) == export_mod, case["name"]
+            if export_mod:
+                assert case["triton_vs_cpu_export"]["max_rel"] <= tol, case["name"]
+                assert case["cpu_export_vs_float64"]["max_rel"] < 0.01, case["name"]
+        for case in by_kind["ssd_export"]:
+            assert case["states_vs_float64"]["max_rel"] < 0.01, case["name"]
+            assert case["output_vs_float64"]["max_rel"] < 0.01, case["name"]
+    for version in kernel_check.LATER_RELEASES:
+        later = result["releases"][version]
+        assert {c["kind"] for c in later["cases"]} == set(kernel_check.LATER_KINDS)
+        assert later["ok"], version
+
+
 def test_cpu_ports_match_vllm_triton_kernels(triton_env: Path, tmp_path: Path) -> None:
     result = _run(tmp_path)
     assert result["interpreter"] and result["device"] == "cpu"
@@ -89,6 +123,7 @@ def test_cpu_ports_match_vllm_triton_kernels(triton_env: Path, tmp_path: Path) -
     # States inside chunks too, 48 tokens in among them (the bench's later turns).
     assert sum(c["mid_states"]["count"] for c in by_kind["gdn"]) >= 10
     export_mod = "cpu-gdn-prefill-checkpoint" in trees.select().mods
+    assert_exports_match(result, export_mod)
     for case in by_kind["gdn"]:
         tol = kernel_check.GDN_TOLERANCE
         # The export mod's states, from one call, against FLA's chunk states.
@@ -137,3 +172,19 @@ def test_check_fails_when_a_chunk_state_is_one_token_early(
         if "export" in case:  # the export, asked for the same wrong positions
             assert case["export"]["chunk_states"]["max_rel"] > 10 * tol["chunk_states"]
             assert case["export"]["mid_states"]["max_rel"] > 10 * tol["chunk_states"]
+
+
+def test_check_fails_when_an_export_is_one_token_early(triton_env: Path, tmp_path: Path) -> None:
+    """The references of the export cases taken one token before each requested
+    position (FLA's and the SSD scan's exports unchanged): every case fails on its
+    states, though each position is still exported or refused as laid out."""
+    for perturb, kind, field in (
+        ("gdn-position", "gdn_export", "triton_vs_float64"),
+        ("ssd-position", "ssd_export", "states_vs_float64"),
+    ):
+        result = _run(tmp_path, perturb=perturb, kinds={kind}, later=False)
+        assert not result["ok"] and result["cases"], perturb
+        for case in result["cases"]:
+            assert not case["ok"] and case["positions"]["as_expected"], case["name"]
+            # Measured: 66-157 % of scale, against a tolerance of 2 %.
+            assert case[field]["max_rel"] > 10 * case["tolerance"]["states"], case["name"]

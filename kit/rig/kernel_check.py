@@ -27,12 +27,30 @@ same inputs and compares.
     state written at every boundary and at every position inside a chunk) is
     held to FLA's states the same way. Tolerances and their reasons: ``GDN_TOLERANCE``.
 
+(c) exports, states at requested positions inside one varlen prefill (rows
+    resumed from a state among them) taken from what that one forward pass
+    already materialises, no extra pass: ``gdn_export`` from FLA's ``h`` and final
+    states, ``ssd_export`` from vLLM's Mamba2 SSD scan
+    (``mamba_chunk_scan_combined_varlen`` with ``return_intermediate_states``, the
+    chunk layout from vLLM's own metadata builder). Each case asks for positions
+    on and off the kernel's grid, laid out by intent; the Triton side's planners
+    (``kernel_check_triton.gdn_export_plan``: ``p - start`` a multiple of 64, or p
+    the row's end; ``ssd_export_plan``: p a chunk end) must refuse exactly the off
+    ones, and the exported states must match a float64 recurrence and, for GDN,
+    the CPU export of mod ``cpu-gdn-prefill-checkpoint`` where the tree has it.
+    These, and ``gdn``, also run on vLLM 0.34.0's kernel files (LATER_RELEASES),
+    under ``releases`` in the result.
+
 ``--perturb`` breaks the CPU side on purpose (``align-bias``: the accepted-token
 bias off by one in the mod's post-copy decision; ``gdn-position``: each chunk
-state, and each state inside a chunk, taken one token early) to show the check
-fails.
-``--export DIR`` writes what a GPU machine needs (cases, kernel sources, the
-script) for the compiled kernels: ``TRITON_INTERPRET`` unset, ``--device cuda``.
+state, and each state inside a chunk, taken one token early, and so are the GDN
+exports' references; ``ssd-position``: the SSD exports' references one token
+early) to show the check fails.
+``--export [DIR]`` writes the device bundle (default kit/rig/kernel_check_device):
+the cases, each release's kernel files and a manifest, all a GPU machine needs
+(torch and Triton; no vLLM, no kit, no network) for ``make device-check``
+(``kernel_check_triton.py --bundle DIR --device cuda``; ``--dry-run`` runs it
+under the interpreter on tiny cases).
 
 Exit status: 0 every case within tolerance; 1 a case is not; 2 could not run.
 """
@@ -43,7 +61,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,13 +70,34 @@ from typing import Any
 
 from kit import schema
 from kit.bundle import cpu_kernels
+from kit.rig import kernel_check_triton as triton_side
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_SIDE = ROOT / "kit" / "rig" / "kernel_check_triton.py"
 DEFAULT_OUT = ROOT / "results" / "kernel-check.json"
-KERNEL_PATHS = ("vllm/v1/worker", "vllm/third_party/flash_linear_attention")
-PERTURBATIONS = ("align-bias", "gdn-position")
-KINDS = ("postprocess", "precopy", "batch_memcpy", "gdn")
+KERNEL_PATHS = (
+    "vllm/v1/worker",
+    "vllm/third_party/flash_linear_attention",
+    "vllm/model_executor/layers/mamba/ops",
+)
+PERTURBATIONS = ("align-bias", "gdn-position", "ssd-position")
+KINDS = ("postprocess", "precopy", "batch_memcpy", "gdn", "gdn_export", "ssd_export")
+# Later releases whose FLA and SSD kernels run on the same cases (the kinds that use
+# them only: the align copies are checked against the pinned release's).
+LATER_RELEASES = ("0.34.0",)
+LATER_KINDS = ("gdn", "gdn_export", "ssd_export")
+# The device bundle (make device-check): cases, kernel files, manifest; in the
+# repository, so that a GPU machine needs nothing else.
+DEVICE_BUNDLE = ROOT / "kit" / "rig" / "kernel_check_device"
+# One small case per kind: what the bundle's dry run (CI, no GPU) runs.
+TINY_CASES = {
+    "postprocess": "postprocess-float32-conv8-k1-s0",
+    "precopy": "precopy-float32-conv8-k1-s0",
+    "batch_memcpy": "batch_memcpy-s0",
+    "gdn": "gdn-200",
+    "gdn_export": "gdn_export-small",
+    "ssd_export": "ssd_export-c32-small",
+}
 
 # The GDN comparison's tolerances, on max |difference| / max |CPU value| over a
 # case. Both kernels take the same bf16 q, k, v and round inside: FLA keeps A,
@@ -448,21 +486,24 @@ def _float64_states(
     return out
 
 
-def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], perturb: str | None):
+def _bf16_normal(gen: Any, *shape: int, scale: float = 1.0) -> Any:
+    """Seeded bf16 normals. Below fp16's normal range a bf16 value may not survive the
+    cast to fp16 that the interpreter run needs; these inputs never reach there."""
+    import torch
+
+    x = (torch.randn(*shape, generator=gen) * scale).bfloat16()
+    return torch.where(x.abs() < 2**-14, torch.zeros_like(x), x)
+
+
+def _gdn_inputs(seed: int, lengths: list[int], initial: list[bool]) -> tuple[Any, ...]:
+    """Seeded q, k, v, g, beta, initial states [N, H, K, V] and cu_seqlens of a batch."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     total, d = sum(lengths), GDN_HEAD_DIM
-
-    def bf16(*shape: int) -> Any:
-        x = torch.randn(*shape, generator=gen).bfloat16()
-        # Below fp16's normal range a bf16 value may not survive the cast to fp16
-        # that the interpreter run needs; these inputs never reach there.
-        return torch.where(x.abs() < 2**-14, torch.zeros_like(x), x)
-
-    q = bf16(1, total, GDN_K_HEADS, d)
-    k = bf16(1, total, GDN_K_HEADS, d)
-    v = bf16(1, total, GDN_V_HEADS, d)
+    q = _bf16_normal(gen, 1, total, GDN_K_HEADS, d)
+    k = _bf16_normal(gen, 1, total, GDN_K_HEADS, d)
+    v = _bf16_normal(gen, 1, total, GDN_V_HEADS, d)
     # Log-space gates and write strengths in the ranges vLLM's gating produces.
     g = -(torch.rand(1, total, GDN_V_HEADS, generator=gen) * 0.4 + 0.01)
     beta = torch.rand(1, total, GDN_V_HEADS, generator=gen).clamp(0.05).bfloat16()
@@ -473,6 +514,14 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
+    return q, k, v, g, beta, s0, cu
+
+
+def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], perturb: str | None):
+    import torch
+
+    q, k, v, g, beta, s0, cu = _gdn_inputs(seed, lengths, initial)
+    d = GDN_HEAD_DIM
     out, final = _cpu_gdn(q, k, v, g, beta, s0, cu)
 
     def split_schedule(row: int, end: int) -> Any:
@@ -560,6 +609,255 @@ def gdn_case(name: str, seed: int, lengths: list[int], initial: list[bool], pert
 
 
 # --------------------------------------------------------------------------
+# (c) exports: states at requested positions from one forward pass
+# --------------------------------------------------------------------------
+
+# Each batch: (name, seed, rows of (start, length, has an initial state)). ``start``
+# is where this prefill begins in its request (its computed tokens; a resumed request
+# brings its state from there). Rows: a fresh prompt over two chunk boundaries; one
+# resumed at 100, off the 64 grid, so its chunks start at 100 and 164 and the
+# request's block boundaries 128 and 192 fall inside chunks; one resumed on a
+# boundary and exactly one chunk long (its end is the final state, h has no row
+# there); a single token.
+GDN_EXPORT_BATCHES = (
+    (
+        "gdn_export-fresh-resumed",
+        21,
+        ((0, 150, False), (100, 130, True), (128, 64, True), (0, 1, False)),
+    ),
+    ("gdn_export-small", 22, ((0, 70, False), (37, 40, True))),
+)
+# The exports' tolerance, on max |difference| / max |reference|: as the chunk states'
+# (GDN_TOLERANCE): the exported states are FLA's h rows, stored in the input dtype
+# (bf16 on a GPU, fp16 under the interpreter), and final states, in fp32. Measured
+# under the interpreter: 5.0e-4 from float64, 5.0e-3 from the CPU export (whose own
+# bf16 intermediates put it 4.6e-3 from float64); one token early: 119-150 %.
+GDN_EXPORT_TOLERANCE = {"states": GDN_TOLERANCE["chunk_states"]}
+
+# Mamba2 (Nemotron-H's mixer) at small sizes: 4 heads in 2 groups (so the head to
+# group mapping is not the identity), head dim 8, state 16.
+SSD_HEADS, SSD_HEAD_DIM, SSD_GROUPS, SSD_STATE = 4, 8, 2, 16
+# Each: (name, seed, chunk size, rows of (start, length, has an initial state,
+# forced checkpoint offset or 0)). vLLM lays SSD chunks on multiples of the chunk
+# size in absolute positions (a resumed row's first chunk finishes the partial one)
+# and ends one more chunk at a row's checkpoint offset, so the state there exists too.
+SSD_EXPORT_CASES = (
+    (
+        "ssd_export-c16",
+        31,
+        16,
+        ((0, 50, False, 0), (37, 70, True, 20), (64, 33, True, 0)),
+    ),
+    ("ssd_export-c32-small", 32, 32, ((0, 40, False, 0), (50, 30, True, 0))),
+)
+# On max |difference| / max |float64|. Both the states (fp32 in the kernels, fp32 in
+# the cache: Nemotron-H's mamba_ssm_cache_dtype) and the output (the input dtype)
+# are sums of terms the kernels round to the input dtype on the way (B scaled by
+# dt and the decay, C B^T, x): bf16 on a GPU (2^-9 relative each), fp16 under the
+# interpreter (measured there: states 2.4e-4, output 4.8e-4). A state one token off
+# moves by 66-157 % of scale (``--perturb ssd-position``).
+SSD_TOLERANCE = {"states": 0.02, "output": 0.03}
+
+
+def _requests(start: int, end: int, on: set[int], off: set[int]) -> tuple[list[int], list[int]]:
+    """(every requested position, those off the kernel's grid), both sorted; ``on`` and
+    ``off`` as the case lays them out (a position in both is on the grid)."""
+    off = {p for p in off if start <= p <= end} - on
+    return sorted(on | off), sorted(off)
+
+
+def gdn_export_case(
+    name: str, seed: int, rows: tuple[tuple[int, int, bool], ...], perturb: str | None
+) -> dict[str, Any]:
+    """A varlen prefill whose rows ask for states at positions on and off FLA's chunk
+    grid. Laid out here by intent: on the grid are ``start + 64 i`` and the row's end
+    (the chunks start where this prefill does); off it are positions just past the
+    start, inside the first chunks, one short of the end, and the request's own
+    multiples of 64 where the row resumed off them. References at every requested
+    position: the float64 recurrence and, where the tree has it, the CPU export."""
+    import torch
+
+    lengths = [n for _, n, _ in rows]
+    q, k, v, g, beta, s0, cu = _gdn_inputs(seed, lengths, [has for *_, has in rows])
+    requested, off_grid = [], []
+    for start, n, _ in rows:
+        end = start + n
+        on = {start + GDN_CHUNK * i for i in range(-(-n // GDN_CHUNK))} | {end}
+        request_grid = {p for p in range(start + 1, end) if p % GDN_CHUNK == 0}
+        off = {start + 1, start + 48, start + 100, end - 1} | request_grid
+        wanted, refused = _requests(start, end, on, off)
+        requested.append(wanted)
+        off_grid.append(refused)
+    shift = 1 if perturb == "gdn-position" else 0
+    # Tokens into each row at which the references are taken (one early if perturbed).
+    offsets = [
+        [max(p - start - shift, 0) for p in wanted]
+        for (start, _, _), wanted in zip(rows, requested, strict=True)
+    ]
+    reference = []
+    for i, row_offsets in enumerate(offsets):
+        sl = slice(cu[i], cu[i + 1])
+        states = _float64_states(
+            q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl].float(), s0[i], row_offsets
+        )
+        at = {o: s for o, s in zip(sorted(set(row_offsets)), states, strict=True)}
+        reference.extend(at[o] for o in row_offsets)
+    case: dict[str, Any] = {
+        "name": name,
+        "kind": "gdn_export",
+        "lengths": lengths,
+        "starts": [start for start, _, _ in rows],
+        "requested": requested,
+        "off_grid": off_grid,
+        "q": q,
+        "k": k,
+        "v": v,
+        "g": g,
+        "beta": beta,
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "initial_state_vk": s0.transpose(-1, -2).contiguous(),
+        "tolerance": GDN_EXPORT_TOLERANCE,
+        "reference": {"states_kv": torch.stack(reference).float()},
+    }
+    # The CPU export writes states strictly inside a row; at 0 it is the initial
+    # state, at the row's end the final state it leaves in the row's slot.
+    inside = [
+        [o for o in sorted(set(r)) if 0 < o < n] for r, n in zip(offsets, lengths, strict=True)
+    ]
+    exported = _cpu_gdn_export(q, k, v, g, beta, s0, cu, inside)
+    if exported is not None:
+        cpu, at_row = [], 0
+        for i, (row_offsets, n) in enumerate(zip(offsets, lengths, strict=True)):
+            slot = {o: at_row + j for j, o in enumerate(inside[i])}
+            at_row += len(inside[i])
+            for o in row_offsets:
+                if o == 0:
+                    cpu.append(s0[i])
+                elif o == n:
+                    cpu.append(exported["final_kv"][i])
+                else:
+                    cpu.append(exported["states_kv"][slot[o]])
+        case["cpu"] = {"states_kv": torch.stack(cpu).float()}
+    return case
+
+
+def _float64_ssd(
+    x: Any, dt: Any, a: Any, b: Any, c: Any, d: Any, dt_bias: Any, s0: Any, stops: list[int]
+) -> tuple[list[Any], Any]:
+    """Mamba2's selective state space recurrence token by token in float64, as
+    MambaMixer2 asks vLLM's scan for it: dt = softplus(dt + dt_bias) per head,
+    h_t = exp(dt A) h_{t-1} + dt x_t B_t^T (state [heads, head dim, state]),
+    y_t = h_t C_t + D x_t; head h reads group h // (heads / groups). Returns the
+    state after each of ``stops`` tokens (in that order) and y [tokens, heads, head dim]."""
+    import torch
+
+    per_group = x.shape[1] // b.shape[1]
+    h = s0.double().clone()
+    x64, b64, c64 = x.double(), b.double(), c.double()
+    b64 = b64.repeat_interleave(per_group, dim=1)
+    c64 = c64.repeat_interleave(per_group, dim=1)
+    steps = torch.nn.functional.softplus(dt.double() + dt_bias.double())
+    decay = torch.exp(steps * a.double())
+    states, ys = {0: h.clone()}, []
+    for t in range(x.shape[0]):
+        h = decay[t][:, None, None] * h + (steps[t][:, None] * x64[t])[:, :, None] * b64[t][:, None]
+        ys.append(torch.einsum("hpn,hn->hp", h, c64[t]) + d.double()[:, None] * x64[t])
+        states[t + 1] = h.clone()
+    return [states[s] for s in stops], torch.stack(ys)
+
+
+def ssd_export_case(
+    name: str,
+    seed: int,
+    chunk: int,
+    rows: tuple[tuple[int, int, bool, int], ...],
+    perturb: str | None,
+) -> dict[str, Any]:
+    """A varlen Mamba2 prefill whose rows ask for states on and off the SSD scan's
+    chunk ends, with the chunk layout vLLM's metadata builder makes for it (its own
+    code, from the tree). By intent, on the grid: the request's multiples of the chunk
+    size inside the row, its end and its forced checkpoint; off it: the start (the
+    initial state is not a chunk end), one past it, one chunk past it (a grid
+    relative to the start, as FLA's, is not the SSD's), one short of the end, one past
+    the checkpoint."""
+    import torch
+    from vllm.v1.attention.backends.mamba_attn import BaseMambaAttentionMetadataBuilder
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [n for _, n, _, _ in rows]
+    total, heads = sum(lengths), SSD_HEADS
+    x = _bf16_normal(gen, total, heads, SSD_HEAD_DIM)
+    b = _bf16_normal(gen, total, SSD_GROUPS, SSD_STATE)
+    c = _bf16_normal(gen, total, SSD_GROUPS, SSD_STATE)
+    # dt before softplus, A < 0, D, dt_bias: per-token decays of 0.6-0.99.
+    dt = (torch.rand(total, heads, generator=gen) * 2.5 - 3.0).bfloat16()
+    a = -(torch.rand(heads, generator=gen) * 0.9 + 0.1)
+    d = torch.randn(heads, generator=gen)
+    dt_bias = torch.rand(heads, generator=gen) * 0.5
+    s0 = torch.randn(len(rows), heads, SSD_HEAD_DIM, SSD_STATE, generator=gen) * 0.5
+    for i, (_, _, has, _) in enumerate(rows):
+        if not has:
+            s0[i] = 0
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    cu_chunks, seq_idx, last, _ = BaseMambaAttentionMetadataBuilder._compute_chunk_metadata(
+        chunk,
+        len(rows),
+        torch.tensor([start for start, *_ in rows]),
+        torch.tensor(cu),
+        [ckpt for *_, ckpt in rows],
+    )
+    requested, off_grid, reference, ys = [], [], [], []
+    shift = 1 if perturb == "ssd-position" else 0
+    for i, (start, n, _, ckpt) in enumerate(rows):
+        end = start + n
+        on = {p for p in range(start + 1, end + 1) if p % chunk == 0} | {end}
+        on |= {start + ckpt} if ckpt else set()
+        off = {start, start + 1, start + chunk, end - 1} | ({start + ckpt + 1} if ckpt else set())
+        wanted, refused = _requests(start, end, on, off)
+        requested.append(wanted)
+        off_grid.append(refused)
+        sl = slice(cu[i], cu[i + 1])
+        states, y = _float64_ssd(
+            x[sl],
+            dt[sl],
+            a,
+            b[sl],
+            c[sl],
+            d,
+            dt_bias,
+            s0[i],
+            [max(p - start - shift, 0) for p in wanted],
+        )
+        reference.extend(states)
+        ys.append(y)
+    return {
+        "name": name,
+        "kind": "ssd_export",
+        "chunk_size": chunk,
+        "lengths": lengths,
+        "starts": [start for start, *_ in rows],
+        "requested": requested,
+        "off_grid": off_grid,
+        "x": x,
+        "dt": dt,
+        "A": a,
+        "B": b,
+        "C": c,
+        "D": d,
+        "dt_bias": dt_bias,
+        "initial_states": s0,
+        "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
+        "cu_chunk_seqlens": torch.tensor(cu_chunks, dtype=torch.int32),
+        "seq_idx": torch.tensor(seq_idx, dtype=torch.int32),
+        "last_chunk_indices": torch.tensor(last, dtype=torch.int32),
+        "tolerance": SSD_TOLERANCE,
+        "reference": {"states": torch.stack(reference), "y": torch.cat(ys)},
+    }
+
+
+# --------------------------------------------------------------------------
 # cases, the run, the command
 # --------------------------------------------------------------------------
 
@@ -616,6 +914,10 @@ def build_cases(perturb: str | None = None, kinds: set[str] | None = None) -> di
             cases.append(
                 gdn_case(f"gdn-{'-'.join(map(str, lengths))}", 7 + i, lengths, initial, perturb)
             )
+        for name, seed, rows in GDN_EXPORT_BATCHES if "gdn_export" in kinds else ():
+            cases.append(gdn_export_case(name, seed, rows, perturb))
+        for name, seed, chunk, ssd_rows in SSD_EXPORT_CASES if "ssd_export" in kinds else ():
+            cases.append(ssd_export_case(name, seed, chunk, ssd_rows, perturb))
     finally:
         mamba_utils.align_postprocess_decision = original
     return {
@@ -637,14 +939,46 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def kernel_sources(dest: Path) -> Path:
-    """The needed files of the pinned vLLM sdist (fetched and sha256-checked) under ``dest``."""
+def kernel_sources(dest: Path, version: str | None = None) -> Path:
+    """The needed files of a vLLM sdist (default the pinned one; fetched and
+    sha256-checked) under ``dest``."""
     from kit.vllm_tree import pins, sdists
 
-    sdist = sdists.pinned()
+    version = version or pins.get("vllm.version")
+    sdist = sdists.release(version)
     for subdir in KERNEL_PATHS:
-        sdists.unpack(sdist, pins.get("vllm.version"), subdir, dest)
+        sdists.unpack(sdist, version, subdir, dest)
     return dest
+
+
+def _triton_side(
+    python: Path, kernels: Path, cases: Path, out: Path, kinds: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """One run of kernel_check_triton.py in .venv-triton under the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("PYTHONPATH", None)  # nothing of the kit's .venv or trees on its path
+    command = [
+        str(python),
+        "-W",
+        "ignore::RuntimeWarning",  # numpy on masked-off lanes of the interpreter
+        str(TRITON_SIDE),
+        "--kernels",
+        str(kernels),
+        "--cases",
+        str(cases),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
+    if kinds is not None:
+        command += ["--kinds", ",".join(kinds)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode not in (0, 1):
+        raise KernelCheckError(
+            f"the Triton side failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+        )
+    return json.loads(out.read_text())
 
 
 def run(
@@ -652,9 +986,12 @@ def run(
     kernels: Path | None = None,
     perturb: str | None = None,
     kinds: set[str] | None = None,
+    later: bool = True,
 ) -> dict[str, Any]:
-    """Build the cases here, run vLLM's kernels in .venv-triton under the interpreter,
-    write the comparison to ``out``; returns it."""
+    """Build the cases here, run vLLM's kernels in .venv-triton under the interpreter
+    (the pinned release's; with ``later`` and no perturbation, also each of
+    LATER_RELEASES' on the LATER_KINDS cases, under ``releases``), write the comparison
+    to ``out``; returns it."""
     import torch
 
     from kit.rig import kernel_env
@@ -665,32 +1002,25 @@ def run(
         work = Path(tmp)
         source = kernels or kernel_sources(work / "kernels")
         torch.save(cases, work / "cases.pt")
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        env.pop("PYTHONPATH", None)  # nothing of the kit's .venv or trees on its path
-        done = subprocess.run(
-            [
-                str(python),
-                "-W",
-                "ignore::RuntimeWarning",  # numpy on masked-off lanes of the interpreter
-                str(TRITON_SIDE),
-                "--kernels",
-                str(source),
-                "--cases",
-                str(work / "cases.pt"),
-                "--device",
-                "cpu",
-                "--out",
-                str(work / "result.json"),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode not in (0, 1):
-            raise KernelCheckError(
-                f"the Triton side failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+        result = _triton_side(python, source, work / "cases.pt", work / "result.json")
+        present = {c["kind"] for c in cases["cases"]}
+        result["releases"] = {}
+        # A perturbation breaks the CPU side or the references, not the kernels: the
+        # pinned release's kernels show it; the later releases' add nothing.
+        for version in LATER_RELEASES if later and kernels is None and not perturb else ():
+            run_kinds = tuple(k for k in LATER_KINDS if k in present)
+            if not run_kinds:
+                continue
+            later_result = _triton_side(
+                python,
+                kernel_sources(work / f"kernels-{version}", version),
+                work / "cases.pt",
+                work / f"result-{version}.json",
+                run_kinds,
             )
-        result = json.loads((work / "result.json").read_text())
+            later_result["kernels"] = f"vllm-{version}.tar.gz (sha256-checked sdist)"
+            result["releases"][version] = later_result
+            result["ok"] = result["ok"] and later_result["ok"]
     if kernels is None:
         from kit.vllm_tree import pins
 
@@ -702,22 +1032,121 @@ def run(
     return result
 
 
-def export(dest: Path, perturb: str | None = None) -> None:
-    """What a GPU machine needs (torch and Triton there, no vLLM, no network)."""
+def _bundle_members(tree: Path) -> list[Path]:
+    """The files a release's kernels need, relative to its unpacked sdist: the align
+    kernels' module, FLA's ops and the SSD scan's files."""
+    members = [Path(triton_side.MAMBA_UTILS)]
+    members += sorted(p.relative_to(tree) for p in (tree / triton_side.FLA_OPS).glob("*.py"))
+    members += [Path(triton_side.MAMBA_OPS) / f for f in triton_side.SSD_FILES]
+    missing = [str(m) for m in members if not (tree / m).is_file()]
+    if missing:
+        raise KernelCheckError(f"{tree}: no {', '.join(missing)}")
+    return members
+
+
+def _write_tar(tree: Path, members: list[Path], target: Path) -> None:
+    """A reproducible tar.gz (sorted, no times or owners): the same sources, the same
+    bytes, the same sha256 in the manifest."""
+    import gzip
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for member in members:
+            data = (tree / member).read_bytes()
+            info = tarfile.TarInfo(member.as_posix())
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    with target.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        gz.write(buffer.getvalue())
+
+
+def export(dest: Path = DEVICE_BUNDLE, perturb: str | None = None) -> dict[str, Any]:
+    """The device bundle: what a GPU machine needs (torch and Triton there, no vLLM, no
+    kit, no network): ``cases.pt``, each release's kernel files as
+    ``kernels-<version>.tar.gz``, and ``manifest.json`` (their sha256, which kinds run
+    on which release, the dry run's tiny cases). ``kernel_check_triton.py --bundle``
+    runs it; ``make device-check``. Returns the manifest."""
     import torch
 
+    from kit.vllm_tree import pins
+
+    cases = build_cases(perturb)
+    names = {c["name"] for c in cases["cases"]}
+    missing = sorted(set(TINY_CASES.values()) - names)
+    if missing:
+        raise KernelCheckError(f"TINY_CASES names no case {missing}")
     dest.mkdir(parents=True, exist_ok=True)
-    kernel_sources(dest / "kernels")
-    torch.save(build_cases(perturb), dest / "cases.pt")
-    shutil.copy2(TRITON_SIDE, dest / TRITON_SIDE.name)
-    (dest / "run.sh").write_text(
-        "#!/usr/bin/env bash\n"
-        "# vLLM's compiled Triton kernels against the kit's CPU results (kit.rig.kernel_check).\n"
-        'set -euo pipefail\ncd "$(dirname "$0")"\nunset TRITON_INTERPRET\n'
-        "python kernel_check_triton.py --kernels kernels --cases cases.pt --device cuda "
-        '--out "${1:-result-cuda.json}"\n'
-    )
-    (dest / "run.sh").chmod(0o755)
+    torch.save(cases, dest / "cases.pt")
+    pinned = pins.get("vllm.version")
+    releases = {}
+    with tempfile.TemporaryDirectory(prefix="kernel-bundle-") as tmp:
+        for version, kinds in ((pinned, KINDS), *((v, LATER_KINDS) for v in LATER_RELEASES)):
+            tree = kernel_sources(Path(tmp) / version, version)
+            name = f"kernels-{version}.tar.gz"
+            _write_tar(tree, _bundle_members(tree), dest / name)
+            releases[version] = {
+                "kernels": name,
+                "sha256": pins.file_sha256(dest / name),
+                "kinds": list(kinds),
+            }
+    manifest = {
+        "made_by": "kit kernel-check --export (kit/rig/kernel_check.py)",
+        "note": "python kit/rig/kernel_check_triton.py --bundle DIR --device cuda --out R.json",
+        "cases": {"file": "cases.pt", "sha256": pins.file_sha256(dest / "cases.pt")},
+        "cpu_port": cases["cpu_port"],
+        "releases": releases,
+        "tiny": {name: kind for kind, name in TINY_CASES.items()},
+    }
+    (dest / triton_side.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _case_line(case: dict[str, Any]) -> str:
+    mark = "ok  " if case["ok"] else "FAIL"
+    if case["kind"] == "gdn":
+        detail = (
+            f"final rel {case['final_state']['max_rel']:.2e}, "
+            f"chunk states ({case['chunk_states']['count']}) rel "
+            f"{case['chunk_states']['max_rel']:.2e}, output rel {case['output']['max_rel']:.2e}"
+        )
+        if "mid_states" in case:
+            detail += (
+                f", inside chunks ({case['mid_states']['count']}) rel "
+                f"{case['mid_states']['max_rel']:.2e}"
+            )
+        if "export" in case:
+            exp = case["export"]
+            detail += (
+                f"; export: chunk states rel {exp['chunk_states']['max_rel']:.2e}, "
+                f"final rel {exp['final_state']['max_rel']:.2e}"
+            )
+            if "mid_states" in exp:
+                detail += f", inside chunks rel {exp['mid_states']['max_rel']:.2e}"
+    elif case["kind"] in ("gdn_export", "ssd_export"):
+        pos = case["positions"]
+        refused = sum(len(r) for r in pos["refused"])
+        detail = (
+            f"{pos['count']} exported, {refused} refused"
+            f"{'' if pos['as_expected'] else ' (NOT the positions expected)'}; "
+        )
+        if case["kind"] == "gdn_export":
+            detail += f"vs float64 rel {case['triton_vs_float64']['max_rel']:.2e}"
+            if "triton_vs_cpu_export" in case:
+                detail += (
+                    f", vs CPU export rel {case['triton_vs_cpu_export']['max_rel']:.2e} "
+                    f"(CPU export vs float64, all {case['cpu_export_vs_float64']['count']}: "
+                    f"{case['cpu_export_vs_float64']['max_rel']:.2e})"
+                )
+        else:
+            detail += (
+                f"states vs float64 rel {case['states_vs_float64']['max_rel']:.2e}, "
+                f"output rel {case['output_vs_float64']['max_rel']:.2e}"
+            )
+    else:
+        detail = "bit for bit" if case["ok"] else "differs"
+    return f"  {mark} {case['name']}: {detail} ({case['seconds']} s)"
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -725,30 +1154,10 @@ def summary(result: dict[str, Any]) -> str:
         f"vLLM kernels: Triton {result['triton']}, device {result['device']}"
         f"{' (interpreter)' if result['interpreter'] else ''}; CPU port: {result['cpu_port']}"
     ]
-    for case in result["cases"]:
-        mark = "ok  " if case["ok"] else "FAIL"
-        if case["kind"] == "gdn":
-            detail = (
-                f"final rel {case['final_state']['max_rel']:.2e}, "
-                f"chunk states ({case['chunk_states']['count']}) rel "
-                f"{case['chunk_states']['max_rel']:.2e}, output rel {case['output']['max_rel']:.2e}"
-            )
-            if "mid_states" in case:
-                detail += (
-                    f", inside chunks ({case['mid_states']['count']}) rel "
-                    f"{case['mid_states']['max_rel']:.2e}"
-                )
-            if "export" in case:
-                exp = case["export"]
-                detail += (
-                    f"; export: chunk states rel {exp['chunk_states']['max_rel']:.2e}, "
-                    f"final rel {exp['final_state']['max_rel']:.2e}"
-                )
-                if "mid_states" in exp:
-                    detail += f", inside chunks rel {exp['mid_states']['max_rel']:.2e}"
-        else:
-            detail = "bit for bit" if case["ok"] else "differs"
-        lines.append(f"  {mark} {case['name']}: {detail}")
+    lines += [_case_line(case) for case in result["cases"]]
+    for version, later in result.get("releases", {}).items():
+        lines.append(f"vLLM {version}'s FLA and SSD kernels on the same cases:")
+        lines += [_case_line(case) for case in later["cases"]]
     return "\n".join(lines)
 
 
@@ -757,7 +1166,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the result JSON file")
     parser.add_argument("--kernels", type=Path, help="kernel source folder (default: the sdist's)")
     parser.add_argument("--perturb", choices=PERTURBATIONS, help="break the CPU side on purpose")
-    parser.add_argument("--export", type=Path, metavar="DIR", help="write a GPU run's files to DIR")
+    parser.add_argument(
+        "--export",
+        type=Path,
+        nargs="?",
+        const=DEVICE_BUNDLE,
+        metavar="DIR",
+        help=f"write the device bundle to DIR (default {_shown(DEVICE_BUNDLE)})",
+    )
     args = parser.parse_args(argv)
     from kit.rig import kernel_env
     from kit.vllm_tree import pins, sdists, trees
@@ -766,7 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
         trees.select().activate()
         if args.export:
             export(args.export, args.perturb)
-            print(f"{args.export}: run ./run.sh on a machine with a GPU, torch and Triton")
+            print(f"{args.export}: make device-check (or kernel_check_triton.py --bundle) runs it")
             return 0
         result = run(args.out, args.kernels, args.perturb)
     except (KernelCheckError, kernel_env.KernelEnvError, sdists.SdistError, pins.PinError) as exc:

@@ -8,20 +8,39 @@ as files.
 
     python kit/rig/kernel_check_triton.py --kernels DIR --cases cases.pt \
         --device cpu --out result.json
+    python kit/rig/kernel_check_triton.py --bundle kit/rig/kernel_check_device \
+        --device cuda --out result.json          # make device-check
+    python kit/rig/kernel_check_triton.py --bundle kit/rig/kernel_check_device \
+        --dry-run --out result.json              # the same, interpreted, tiny cases
 
-``DIR`` holds the needed files of the vLLM 0.32.0 sdist at their sdist paths:
-``vllm/v1/worker/mamba_utils.py`` and ``vllm/third_party/flash_linear_attention/ops/``.
-``cases.pt`` (written by ``kit.rig.kernel_check``) holds each case's inputs and
-what the kit's CPU ports computed from them. The kernels are loaded from the
-files as they are: the ``@triton.jit`` functions of ``mamba_utils.py`` (that
-module also imports half of vLLM's engine, which the kernels do not use), and
-the FLA modules as a package whose few vLLM imports (``vllm.triton_utils``,
-``vllm.platforms``, two helpers of ``vllm.utils``) are answered by the shims
-below. Under the interpreter, and only there, four adaptations (each where it
-is made says why): FLA's aliased builtins (``exp = tl.exp``) look ``tl`` up when
-called, chunk_delta_h's loop index is a Triton scalar, every autotuned kernel
-runs its first config, and the GDN inputs go in as fp16 instead of bf16 (the
-same values). The kernels' own code is not changed.
+``DIR`` holds the needed files of a vLLM sdist at their sdist paths:
+``vllm/v1/worker/mamba_utils.py``, ``vllm/third_party/flash_linear_attention/ops/``
+and ``vllm/model_executor/layers/mamba/ops/`` (the SSD files). ``cases.pt``
+(written by ``kit.rig.kernel_check``) holds each case's inputs and what the
+kit's CPU ports and a float64 recurrence computed from them. A bundle
+(``--bundle``, written by ``kit kernel-check --export``) holds ``cases.pt``,
+each release's kernel files as ``kernels-<version>.tar.gz`` and a
+``manifest.json`` with their sha256 and which case kinds run on which release;
+each release runs in a process of its own (both load as ``vllm.*``).
+
+The kernels are loaded from the files as they are: the ``@triton.jit``
+functions of ``mamba_utils.py`` (that module also imports half of vLLM's
+engine, which the kernels do not use), ``softplus`` of ``mamba_ssm.py`` (the
+same reason), and the FLA and SSD modules as packages whose few vLLM imports
+(``vllm.triton_utils``, ``vllm.platforms``, helpers of ``vllm.utils``, 0.34.0's
+warm-up dispatcher) are answered by the shims below; ``packaging`` and
+``einops``, where missing, by two narrow stand-ins. Under the interpreter, and
+only there, four adaptations (each where it is made says why): aliased
+builtins (``exp = tl.exp``) look ``tl`` up when called, chunk_delta_h's loop
+index is a Triton scalar, every autotuned kernel runs its first config, and
+half-precision inputs go in as fp16 instead of bf16 (the same values). The
+kernels' own code is not changed.
+
+Exports (kinds ``gdn_export`` and ``ssd_export``): states at requested positions
+inside a prefill, taken from what the one forward pass already materialises:
+FLA's per-chunk ``h`` (``gdn_export_plan`` says which positions it holds) and
+the SSD scan's per-chunk states (``ssd_export_plan``). A position the pass
+does not hold is refused, never approximated.
 
 Exit status: 0 every case within its tolerance, 1 a case is not, 2 it could
 not run (missing files, unreadable cases).
@@ -36,10 +55,12 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 import types
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +68,22 @@ import torch
 
 MAMBA_UTILS = Path("vllm/v1/worker/mamba_utils.py")
 FLA_OPS = Path("vllm/third_party/flash_linear_attention/ops")
-# The FLA kernels read this at import: it makes chunk_gated_delta_rule_fwd also
-# return h, the per-chunk states (the same kernels run either way).
-os.environ["GDN_RECOMPUTE_SUPPRESS_LEVEL"] = "3"
+MAMBA_OPS = Path("vllm/model_executor/layers/mamba/ops")
+# The SSD scan's files (mamba_ssm.py only for its softplus).
+SSD_FILES = (
+    "ssd_combined.py",
+    "ssd_bmm.py",
+    "ssd_chunk_scan.py",
+    "ssd_chunk_state.py",
+    "ssd_state_passing.py",
+    "triton_helpers.py",
+    "mamba_ssm.py",
+)
+FLA_PACKAGE = "vllm.third_party.flash_linear_attention.ops"
+MAMBA_PACKAGE = "vllm.model_executor.layers.mamba.ops"
+FLA_CHUNK = 64  # FLA_CHUNK_SIZE: h holds the state before every 64-token chunk
+# Kinds that run vLLM's FLA or SSD kernels (not the align copies of mamba_utils.py).
+RECURRENT_KINDS = ("gdn", "gdn_export", "ssd_export")
 
 
 class CheckError(RuntimeError):
@@ -61,8 +95,115 @@ def interpreting() -> bool:
 
 
 # --------------------------------------------------------------------------
+# Which positions one forward pass can export
+# --------------------------------------------------------------------------
+
+
+def gdn_export_plan(
+    start: int, end: int, positions: Iterable[int], chunk: int = FLA_CHUNK
+) -> tuple[list[int], list[int]]:
+    """Split requested positions (tokens of the request: the state after exactly p
+    tokens) into those FLA's chunk kernel holds after one prefill of the request's
+    tokens ``[start, end)`` and those it does not: ``(exportable, refused)``, each
+    sorted, each position once.
+
+    The rule: p is exportable when ``p - start`` is a multiple of ``chunk`` or p is
+    ``end``, and ``start <= p <= end``. ``h`` holds the state before each of the
+    sequence's chunks, and those chunks start at ``start + chunk * i``: the grid is
+    relative to where this prefill began (a resumed request's first computed
+    token), not to the request's token 0; the final state is the state at ``end``.
+    A position anywhere else would need another pass (or a kernel that stores more).
+    """
+    exportable, refused = set(), set()
+    for p in positions:
+        on_grid = start <= p <= end and ((p - start) % chunk == 0 or p == end)
+        (exportable if on_grid else refused).add(p)
+    return sorted(exportable), sorted(refused)
+
+
+def gdn_export_sources(
+    start: int, end: int, first_chunk_row: int, exportable: Iterable[int], chunk: int = FLA_CHUNK
+) -> list[tuple[str, int]]:
+    """Where each exportable position's state lies: ``("final", 0)`` for ``end`` (the
+    final state: when the length is a multiple of ``chunk``, h has no row after the
+    last chunk) or ``("h", row)``. For varlen input h is ``[1, total chunks, H, V, K]``,
+    the sequences' chunks one after another: sequence n's chunk i is row
+    ``chunk_offsets[n] + i`` (``first_chunk_row`` = FLA's ``prepare_chunk_offsets``)."""
+    out = []
+    for p in exportable:
+        if p == end:
+            out.append(("final", 0))
+        elif start <= p < end and (p - start) % chunk == 0:
+            out.append(("h", first_chunk_row + (p - start) // chunk))
+        else:
+            raise CheckError(f"position {p} is not exportable from [{start}, {end})")
+    return out
+
+
+def ssd_export_plan(
+    start: int, chunk_ends: Iterable[int], positions: Iterable[int]
+) -> tuple[dict[int, int], list[int]]:
+    """The SSD scan's version: it materialises the state at the end of each of its
+    chunks, so p is exportable where one of the sequence's chunks ends (``chunk_ends``:
+    tokens into this prefill, one per chunk in order; chunk j's global index is
+    ``first + j``, handled by the caller). vLLM lays those chunks on multiples of the
+    chunk size in absolute positions, plus the sequence end and any forced
+    checkpoint end (``_compute_chunk_metadata``). Returns ({p: j}, refused)."""
+    where = {start + e: j for j, e in enumerate(chunk_ends)}
+    exportable, refused = {}, set()
+    for p in positions:
+        if p in where:
+            exportable[p] = where[p]
+        else:
+            refused.add(p)
+    return dict(sorted(exportable.items())), sorted(refused)
+
+
+# --------------------------------------------------------------------------
 # Loading vLLM's kernels from the sdist files
 # --------------------------------------------------------------------------
+
+
+def _jit_pieces(source: str, names: set[str], keep: tuple[str, ...] = ()) -> list[str]:
+    """The source of the module-level ``@triton.jit`` functions named in ``names``
+    (also those under ``if TRITON3:``, the branch for Triton >= 3) and of the
+    assignments to the names in ``keep``."""
+    lines = source.splitlines()
+    pieces = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                if any("triton.jit" in ast.unparse(d) for d in node.decorator_list):
+                    start = node.decorator_list[0].lineno
+                    # Dedented: a function under an `if` is indented in the file.
+                    block = lines[start - 1 : node.end_lineno]
+                    indent = len(block[0]) - len(block[0].lstrip())
+                    pieces.append("\n".join(line[indent:] for line in block))
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id in keep for t in node.targets
+            ):
+                pieces.append(ast.get_source_segment(source, node) or "")
+            elif isinstance(node, ast.If) and ast.unparse(node.test) == "TRITON3":
+                visit(node.body)
+
+    visit(ast.parse(source).body)
+    return pieces
+
+
+def _load_extract(source_path: Path, pieces: list[str], name: str, work: Path) -> types.ModuleType:
+    # Triton's JIT reads each kernel's source from its file, so the extract is a file.
+    target = work / f"{name.replace('.', '_')}.py"
+    header = f"# Extracted from {source_path.name} of the vLLM sdist by kernel_check_triton.py.\n"
+    target.write_text(
+        header + "import triton\nimport triton.language as tl\n\n\n" + "\n\n\n".join(pieces) + "\n"
+    )
+    spec = importlib.util.spec_from_file_location(name, target)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_align_kernels(kernels: Path, work: Path) -> types.ModuleType:
@@ -70,38 +211,13 @@ def load_align_kernels(kernels: Path, work: Path) -> types.ModuleType:
     source_path = kernels / MAMBA_UTILS
     if not source_path.is_file():
         raise CheckError(f"{source_path}: missing; --kernels must hold the vLLM sdist's files")
-    source = source_path.read_text()
-    tree = ast.parse(source)
-    pieces = []
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and any(
-            "triton.jit" in ast.unparse(d) for d in node.decorator_list
-        ):
-            start = node.decorator_list[0].lineno
-            pieces.append("\n".join(source.splitlines()[start - 1 : node.end_lineno]))
-        elif isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "_TEMPORAL_TILES" for t in node.targets
-        ):
-            pieces.append(ast.get_source_segment(source, node) or "")
     names = {"postprocess_mamba_fused_kernel", "precopy_mamba_align_fused_kernel"}
     names |= {"batch_memcpy_kernel", "_copy_mamba_state_block", "_memcpy_u64_tiled"}
+    pieces = _jit_pieces(source_path.read_text(), names, keep=("_TEMPORAL_TILES",))
     missing = [n for n in sorted(names) if f"def {n}(" not in "\n".join(pieces)]
     if missing:
         raise CheckError(f"{source_path}: no kernel {', '.join(missing)}; another vLLM release?")
-    # Triton's JIT reads each kernel's source from its file, so the extract is a file.
-    target = work / "vllm_mamba_align_kernels.py"
-    header = (
-        f"# Extracted from {MAMBA_UTILS} of the vLLM sdist by kit/rig/kernel_check_triton.py.\n"
-    )
-    target.write_text(
-        header + "import triton\nimport triton.language as tl\n\n\n" + "\n\n\n".join(pieces) + "\n"
-    )
-    spec = importlib.util.spec_from_file_location("vllm_mamba_align_kernels", target)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _load_extract(source_path, pieces, "vllm_mamba_align_kernels", work)
 
 
 def _package(name: str, path: Path | None = None) -> types.ModuleType:
@@ -111,33 +227,103 @@ def _package(name: str, path: Path | None = None) -> types.ModuleType:
     return module
 
 
+class _Platform:
+    """What the FLA and SSD files ask vLLM's platform: which GPU vendor and model, to
+    pick configs and code paths. Under the interpreter: no GPU."""
+
+    @staticmethod
+    def _gpu() -> bool:
+        return torch.cuda.is_available() and not interpreting()
+
+    def is_cuda_alike(self) -> bool:
+        return self._gpu()
+
+    def is_cuda(self) -> bool:
+        return self._gpu() and torch.version.hip is None
+
+    def is_rocm(self) -> bool:
+        return self._gpu() and torch.version.hip is not None
+
+    @staticmethod
+    def is_cpu() -> bool:
+        # False even under the interpreter: ssd_combined.py would swap in vLLM's CPU
+        # scan, and the check is of the Triton kernels.
+        return False
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return torch.cuda.get_device_name(device_id) if self._gpu() else "cpu"
+
+    def get_device_capability(self, device_id: int = 0) -> Any:
+        major, minor = torch.cuda.get_device_capability(device_id) if self._gpu() else (0, 0)
+        return types.SimpleNamespace(major=major, minor=minor)
+
+    def is_device_capability(self, capability: int, device_id: int = 0) -> bool:
+        cap = self.get_device_capability(device_id)
+        return self._gpu() and cap.major * 10 + cap.minor == capability
+
+
+def _dispatcher_with_warmup(*, warmup_inputs: Any, kernel: Any = None) -> Any:
+    """vLLM 0.34.0's ``triton_kernel_dispatcher_with_warmup`` (l2norm's launch), without
+    the warm-up: the decorated function returns ``(grid, launch kwargs[, outputs])``
+    and each of its own arguments (defaults filled in) binds to the first of the
+    kernel's arguments named ``x``, ``x_ptr``, ``X`` or ``X_PTR`` unless the launch
+    kwargs name that one, as vLLM's binding plan does. Its stride binding is left
+    out (l2norm has no stride arguments; a kernel that had would fail to launch)."""
+    del warmup_inputs
+    import inspect
+
+    if kernel is None:
+        raise CheckError("the warm-up dispatcher stand-in takes a kernel= (l2norm's form)")
+
+    def decorate(dispatch: Any) -> Any:
+        signature = inspect.signature(dispatch)
+        jit = kernel
+        while not hasattr(jit, "arg_names"):
+            jit = jit.fn
+        arg_names = set(jit.arg_names)
+
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            spec = dispatch(*args, **kwargs)
+            grid, launch_kwargs = spec[0], dict(spec[1])
+            outputs = spec[2] if len(spec) == 3 else None
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            for name, value in bound.arguments.items():
+                candidates = (name, f"{name}_ptr", name.upper(), f"{name}_ptr".upper())
+                target = next((c for c in candidates if c in arg_names), None)
+                if target is not None and target not in launch_kwargs:
+                    launch_kwargs[target] = value
+            kernel[grid](**launch_kwargs)
+            return outputs
+
+        return launch
+
+    return decorate
+
+
 def _install_vllm_shims(kernels: Path) -> None:
-    """Just what the FLA ops import from vLLM; the FLA package's own __init__ is skipped
-    (it also imports the layernorm and warm-up machinery the chunk kernels do not use)."""
+    """Just what the FLA and SSD ops import from vLLM; the packages' own __init__ files
+    are skipped (they also import the layernorm, warm-up and engine machinery the
+    kernels do not use)."""
     import triton
     import triton.language as tl
     import triton.language.extra.libdevice as tldevice
 
+    if "vllm.triton_utils" in sys.modules:
+        return  # already installed in this process
     _package("vllm")
     _package("vllm.third_party", kernels / "vllm/third_party")
     _package("vllm.third_party.flash_linear_attention", kernels / FLA_OPS.parent)
-    _package("vllm.third_party.flash_linear_attention.ops", kernels / FLA_OPS)
+    _package(FLA_PACKAGE, kernels / FLA_OPS)
+    _package("vllm.model_executor")
+    _package("vllm.model_executor.layers")
+    _package("vllm.model_executor.layers.mamba")
+    _package(MAMBA_PACKAGE, kernels / MAMBA_OPS)
     triton_utils = _package("vllm.triton_utils")
     triton_utils.triton, triton_utils.tl, triton_utils.tldevice = triton, tl, tldevice
     triton_utils.HAS_TRITON = True
-
-    class Platform:
-        # FLA asks only these two: which GPU vendor, to pick its configs.
-        @staticmethod
-        def is_cuda_alike() -> bool:
-            return torch.cuda.is_available() and not interpreting()
-
-        @staticmethod
-        def is_rocm() -> bool:
-            return torch.version.hip is not None and torch.cuda.is_available()
-
     platforms = _package("vllm.platforms")
-    platforms.current_platform = Platform()
+    platforms.current_platform = _Platform()
     _package("vllm.utils")
     sync = _package("vllm.utils.gpu_sync_debug")
     sync.gpu_sync_allowed = lambda first_only=False: contextlib.nullcontext()
@@ -147,45 +333,122 @@ def _install_vllm_shims(kernels: Path) -> None:
         return torch.as_tensor(data, dtype=dtype).to(device)
 
     torch_utils.async_tensor_h2d = async_tensor_h2d
+    # 0.34.0's FLA utils ask the shared memory of AMD GPUs this way (else Triton's).
+    platform_utils = _package("vllm.utils.platform_utils")
+
+    def cuda_get_device_properties(device: int, names: tuple[str, ...]) -> tuple[Any, ...]:
+        props = torch.cuda.get_device_properties(device)
+        return tuple(getattr(props, n) for n in names)
+
+    platform_utils.cuda_get_device_properties = cuda_get_device_properties
+    # 0.34.0's l2norm launches through the warm-up dispatcher.
+    _package("vllm.model_executor.warmup")
+    warmup = _package("vllm.model_executor.warmup.jit_warmup")
+    warmup.WarmupChoices = lambda *choices: choices
+    helper = _package("vllm.model_executor.warmup.jit_warmup_triton_helper")
+    helper.DispatchSpec = Any
+    helper.TritonWarmupTensor = lambda *args, **kwargs: None
+    helper.triton_kernel_dispatcher_with_warmup = _dispatcher_with_warmup
+
+
+def _install_fallbacks() -> None:
+    """``packaging`` (a Triton version test) and ``einops`` (two reshapes in 0.32.0's
+    ssd_combined.py) where this Python lacks them: .venv-triton holds torch, Triton
+    and numpy only, and a GPU machine may too. The real packages win where present."""
+    try:
+        import packaging.version  # noqa: F401
+    except ImportError:
+        import re
+
+        def parse(text: str) -> tuple[int, ...]:
+            match = re.match(r"\d+(\.\d+)*", text)
+            if match is None:
+                raise CheckError(f"cannot read the version {text!r}") from None
+            return tuple(int(x) for x in match.group().split("."))
+
+        packaging = _package("packaging")
+        packaging.version = types.ModuleType("packaging.version")
+        packaging.version.parse = parse
+        sys.modules["packaging.version"] = packaging.version
+    try:
+        import einops  # noqa: F401
+    except ImportError:
+
+        def rearrange(t: torch.Tensor, pattern: str, **sizes: int) -> torch.Tensor:
+            # The two patterns ssd_combined.py uses (0.34.0 replaced them by these calls).
+            if pattern == "... p n -> ... (p n)":
+                return t.flatten(-2)
+            if pattern == "... (p n) -> ... p n":
+                return t.unflatten(-1, (-1, sizes["n"]))
+            raise CheckError(f"einops stand-in: pattern {pattern!r} not supported")
+
+        sys.modules["einops"] = types.ModuleType("einops")
+        sys.modules["einops"].rearrange = rearrange  # type: ignore[attr-defined]
 
 
 def load_fla(kernels: Path) -> types.ModuleType:
     """vLLM's FLA chunk module (``chunk_gated_delta_rule`` and the kernels under it)."""
     if not (kernels / FLA_OPS / "chunk.py").is_file():
         raise CheckError(f"{kernels / FLA_OPS}: missing; --kernels must hold the sdist's files")
+    # The FLA kernels read this at import: it makes chunk_gated_delta_rule_fwd also
+    # return h, the per-chunk states (the same kernels run either way). Set here,
+    # not at import of this file, so that importing it elsewhere changes nothing.
+    os.environ["GDN_RECOMPUTE_SUPPRESS_LEVEL"] = "3"
     _install_vllm_shims(kernels)
-    chunk = importlib.import_module("vllm.third_party.flash_linear_attention.ops.chunk")
+    chunk = importlib.import_module(f"{FLA_PACKAGE}.chunk")
     if interpreting():
-        _adapt_to_interpreter()
+        _adapt_to_interpreter(FLA_PACKAGE)
+        _scalar_loop_index(f"{FLA_PACKAGE}.chunk_delta_h")
     return chunk
 
 
-def _adapt_to_interpreter() -> None:
-    """Two things Triton's interpreter does not do for these modules (compiled runs need neither):
-    FLA names some builtins by alias (``exp = tl.exp`` in op.py), and the interpreter
-    swaps in its own versions of ``tl.exp`` on the module only, so an alias keeps
-    the compiled-only builtin; and autotuning would run every config several
-    times to time it. Each alias is made to look ``tl.<name>`` up when called;
-    each autotuner keeps its first config. And a loop index is a Python int
-    under the interpreter, a Triton scalar when compiled: chunk_delta_h's
-    ``i_t.to(tl.int64)`` needs the latter, so its loops yield interpreter scalars."""
-    import triton.language as tl
-    from triton.runtime.autotuner import Autotuner
+def load_ssd(kernels: Path, work: Path) -> types.ModuleType:
+    """vLLM's SSD scan (``mamba_chunk_scan_combined_varlen`` and the kernels under it)."""
+    missing = [f for f in SSD_FILES if not (kernels / MAMBA_OPS / f).is_file()]
+    if missing:
+        raise CheckError(f"{kernels / MAMBA_OPS}: no {', '.join(missing)}")
+    _install_vllm_shims(kernels)
+    _install_fallbacks()
+    # mamba_ssm.py imports vLLM's engine (envs, custom ops, logger); the SSD kernels
+    # take only its softplus, extracted verbatim.
+    source_path = kernels / MAMBA_OPS / "mamba_ssm.py"
+    pieces = _jit_pieces(source_path.read_text(), {"softplus"})
+    if len(pieces) != 1:
+        raise CheckError(f"{source_path}: {len(pieces)} softplus kernels for Triton 3, not 1")
+    _load_extract(source_path, pieces, f"{MAMBA_PACKAGE}.mamba_ssm", work)
+    combined = importlib.import_module(f"{MAMBA_PACKAGE}.ssd_combined")
+    if interpreting():
+        _adapt_to_interpreter(MAMBA_PACKAGE)
+    return combined
+
+
+def _scalar_loop_index(module_name: str) -> None:
+    """A loop index is a Python int under the interpreter, a Triton scalar when
+    compiled: chunk_delta_h's ``i_t.to(tl.int64)`` needs the latter, so its loops
+    yield interpreter scalars (compiled runs do not need this)."""
     from triton.runtime.interpreter import _implicit_cvt
 
     def scalar_range(*args: Any) -> Any:
         ints = [int(a.handle.data.item()) if hasattr(a, "handle") else int(a) for a in args]
         return (_implicit_cvt(i) for i in range(*ints))
 
-    vars(sys.modules["vllm.third_party.flash_linear_attention.ops.chunk_delta_h"])["range"] = (
-        scalar_range
-    )
+    vars(sys.modules[module_name])["range"] = scalar_range
+
+
+def _adapt_to_interpreter(package: str) -> None:
+    """Two things Triton's interpreter does not do for these modules (compiled runs need
+    neither): FLA names some builtins by alias (``exp = tl.exp`` in op.py), and the
+    interpreter swaps in its own versions of ``tl.exp`` on the module only, so an
+    alias keeps the compiled-only builtin; and autotuning would run every config
+    several times to time it. Each alias is made to look ``tl.<name>`` up when
+    called; each autotuner keeps its first config."""
+    import triton.language as tl
 
     def via_module(owner: types.ModuleType, name: str) -> Any:
         return lambda *args, **kwargs: getattr(owner, name)(*args, **kwargs)
 
     for name in list(sys.modules):
-        if name.startswith("vllm.third_party.flash_linear_attention.ops."):
+        if name.startswith(f"{package}."):
             module_globals = vars(sys.modules[name])
             for key, value in list(module_globals.items()):
                 if tl.core.is_builtin(value):
@@ -196,7 +459,18 @@ def _adapt_to_interpreter() -> None:
                     if owner is None:
                         raise CheckError(f"{name}.{key}: a Triton builtin the check cannot map")
                     module_globals[key] = via_module(owner, value.__name__)
-            for obj in module_globals.values():
+    first_configs(package)
+
+
+def first_configs(package: str) -> None:
+    """Every autotuned kernel of the package's modules keeps its first config: under the
+    interpreter always; on a GPU with ``--first-config``, which compiles one config
+    per kernel instead of timing them all (the choice users' runs make may differ)."""
+    from triton.runtime.autotuner import Autotuner
+
+    for name in list(sys.modules):
+        if name.startswith(f"{package}."):
+            for obj in vars(sys.modules[name]).values():
                 # @triton.heuristics may wrap the autotuner: walk the .fn chain.
                 while hasattr(obj, "fn"):
                     if isinstance(obj, Autotuner):
@@ -311,23 +585,30 @@ def run_batch_memcpy(mod: types.ModuleType, case: dict[str, Any], device: str) -
 # --------------------------------------------------------------------------
 
 
-def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[str, Any]:
-    """vLLM's chunk_gated_delta_rule forward, as ChunkGatedDeltaRuleFunction runs it,
-    keeping h (the state at the start of every 64-token chunk)."""
-    ops = sys.modules["vllm.third_party.flash_linear_attention.ops.l2norm"]
-    # The interpreter keeps bf16 as raw uint16 bits and does arithmetic on the bits
-    # (only casts to and from float32 are converted), so there the same bf16 values
-    # go in as fp16, exactly (the cases hold none below fp16's normal range); FLA
-    # then rounds its intermediates to fp16, finer than a GPU's bf16.
+def _half(case: dict[str, Any], names: tuple[str, ...], device: str) -> list[torch.Tensor]:
+    """The case's bf16 inputs in the kernels' half precision: bf16 on a GPU, fp16 under
+    the interpreter. The interpreter keeps bf16 as raw uint16 bits and does arithmetic
+    on the bits (only casts to and from float32 are converted), so there the same
+    bf16 values go in as fp16, exactly (the cases hold none below fp16's normal
+    range); the kernels then round their intermediates to fp16, finer than bf16."""
     dtype = torch.float16 if interpreting() else torch.bfloat16
-    inputs = {}
-    for name in ("q", "k", "v", "beta"):
-        inputs[name] = case[name].to(dtype)
-        if not torch.equal(inputs[name].to(case[name].dtype), case[name]):
+    out = []
+    for name in names:
+        value = case[name].to(dtype)
+        if not torch.equal(value.to(case[name].dtype), case[name]):
             raise CheckError(f"{case['name']}: {name} does not convert to {dtype} exactly")
-    q, k, v, beta = (inputs[n].to(device) for n in ("q", "k", "v", "beta"))
+        out.append(value.to(device))
+    return out
+
+
+def _gdn_forward(
+    chunk: types.ModuleType, case: dict[str, Any], device: str
+) -> tuple[torch.Tensor, ...]:
+    """vLLM's chunk_gated_delta_rule forward, as ChunkGatedDeltaRuleFunction runs it
+    (l2norm of q and k first): (o, final states, h, the normalised q, k, v, g, beta)."""
+    ops = sys.modules[f"{FLA_PACKAGE}.l2norm"]
+    q, k, v, beta = _half(case, ("q", "k", "v", "beta"), device)
     g = case["g"].to(device)
-    cu = case["cu_seqlens"].to(device)
     # vLLM's GPU path gathers ssm_state[indices] (layout [N, H, V, K]); zero rows
     # for sequences without an initial state.
     h0 = case["initial_state_vk"].to(device).contiguous()
@@ -341,8 +622,16 @@ def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[
         scale=k.shape[-1] ** -0.5,
         initial_state=h0,
         output_final_state=True,
-        cu_seqlens=cu,
+        cu_seqlens=case["cu_seqlens"].to(device),
     )
+    if h is None:
+        raise CheckError("chunk_gated_delta_rule_fwd returned no h (GDN_RECOMPUTE_SUPPRESS_LEVEL)")
+    return o, final, h, q, k, v, g, beta
+
+
+def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[str, Any]:
+    """FLA's forward, keeping h (the state at the start of every 64-token chunk)."""
+    o, final, h, q, k, v, g, beta = _gdn_forward(chunk, case, device)
     result = {"final_vk": final.float().cpu(), "h_vk": h[0].float().cpu(), "o": o[0].float().cpu()}
     mid_index = case.get("mid_index")
     if mid_index is not None and mid_index.numel():
@@ -362,6 +651,88 @@ def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[
         )
         result["mid_vk"] = mid_final.float().cpu()
     return result
+
+
+def run_gdn_export(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[str, Any]:
+    """The states at the requested positions of one varlen prefill, from that one
+    forward's own h and final states; positions off its chunk grid are refused."""
+    o, final, h, *_ = _gdn_forward(chunk, case, device)
+    index = sys.modules[f"{FLA_PACKAGE}.index"]
+    # FLA's own chunk bookkeeping for varlen input: where each sequence's rows of h begin.
+    first_rows = index.prepare_chunk_offsets(case["cu_seqlens"].to(device), FLA_CHUNK).tolist()
+    bounds = case["cu_seqlens"].tolist()
+    if h.shape[1] != first_rows[-1]:
+        raise CheckError(f"{case['name']}: h has {h.shape[1]} chunk rows, not {first_rows[-1]}")
+    states, exported, refused = [], [], []
+    for n, (start, requested) in enumerate(zip(case["starts"], case["requested"], strict=True)):
+        end = start + bounds[n + 1] - bounds[n]
+        can, cannot = gdn_export_plan(start, end, requested)
+        for source, row in gdn_export_sources(start, end, first_rows[n], can):
+            states.append(h[0, row] if source == "h" else final[n])
+        exported.append(can)
+        refused.append(cannot)
+    return {
+        "states_vk": torch.stack(states).float().cpu(),
+        "exported": exported,
+        "refused": refused,
+        "h_dtype": str(h.dtype).removeprefix("torch."),
+        "o": o[0].float().cpu(),
+    }
+
+
+# --------------------------------------------------------------------------
+# (c) the Mamba2 SSD scan
+# --------------------------------------------------------------------------
+
+
+def run_ssd_export(combined: types.ModuleType, case: dict[str, Any], device: str) -> dict[str, Any]:
+    """vLLM's Mamba2 prefill scan as MambaMixer2 calls it (dt softplus, dt_bias, D, no z,
+    the chunk layout of its metadata builder) with ``return_intermediate_states``, as
+    vLLM does when a prefill checkpoints: the state at the end of every chunk. The
+    states at the requested positions come from those; the rest are refused."""
+    x, dt, b, c = _half(case, ("x", "dt", "B", "C"), device)
+    f32 = {n: case[n].to(device=device, dtype=torch.float32) for n in ("A", "D", "dt_bias")}
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    chunk_states = combined.mamba_chunk_scan_combined_varlen(
+        x,
+        dt,
+        f32["A"],
+        b,
+        c,
+        chunk_size=case["chunk_size"],
+        cu_seqlens=case["cu_seqlens"].to(device),
+        cu_chunk_seqlens=case["cu_chunk_seqlens"].to(device),
+        last_chunk_indices=case["last_chunk_indices"].to(device),
+        seq_idx=case["seq_idx"].to(device),
+        out=out,
+        D=f32["D"],
+        z=None,
+        dt_bias=f32["dt_bias"],
+        # vLLM zeroes the rows of sequences without a prior state (torch.where).
+        initial_states=case["initial_states"].to(device=device, dtype=torch.float32),
+        dt_softplus=True,
+        dt_limit=(0.0, float("inf")),
+        return_intermediate_states=True,
+        # Nemotron-H's SSM cache is float32 (vLLM's default for it).
+        state_dtype=torch.float32,
+    )
+    bounds = case["cu_seqlens"].tolist()
+    chunk_bounds = case["cu_chunk_seqlens"].tolist()
+    seq_of_chunk = case["seq_idx"].tolist()
+    states, exported, refused = [], [], []
+    for n, (start, requested) in enumerate(zip(case["starts"], case["requested"], strict=True)):
+        chunks = [i for i, s in enumerate(seq_of_chunk) if s == n]
+        ends = [chunk_bounds[i + 1] - bounds[n] for i in chunks]
+        can, cannot = ssd_export_plan(start, ends, requested)
+        states.extend(chunk_states[chunks[j]] for j in can.values())
+        exported.append(list(can))
+        refused.append(cannot)
+    return {
+        "states": torch.stack(states).float().cpu(),
+        "exported": exported,
+        "refused": refused,
+        "y": out.float().cpu(),
+    }
 
 
 # --------------------------------------------------------------------------
@@ -481,6 +852,79 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     return {"ok": ok, "tolerance": tol, **fields}
 
 
+def _rows_of(requested: list[list[int]], exported: list[list[int]]) -> list[int]:
+    """Where each exported position's reference lies: the cases hold one reference
+    state per requested position, sequence after sequence, in requested order."""
+    rows, at = [], 0
+    for wanted, got in zip(requested, exported, strict=True):
+        where = {p: at + i for i, p in enumerate(wanted)}
+        rows.extend(where[p] for p in got)
+        at += len(wanted)
+    return rows
+
+
+def _plan_verdict(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    """The positions refused must be exactly those the case put off the kernel's grid,
+    and every other requested position exported."""
+    want_refused = case["off_grid"]
+    want_exported = [
+        sorted(set(r) - set(o)) for r, o in zip(case["requested"], want_refused, strict=True)
+    ]
+    return {
+        "as_expected": out["refused"] == want_refused and out["exported"] == want_exported,
+        "exported": out["exported"],
+        "refused": out["refused"],
+        "count": sum(len(e) for e in out["exported"]),
+    }
+
+
+def compare_gdn_export(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    tol = case["tolerance"]
+    plan = _plan_verdict(case, out)
+    rows = _rows_of(case["requested"], out["exported"])
+    got_kv = out["states_vk"].transpose(-1, -2)  # FLA's [V, K] as the CPU port's [K, V]
+    reference = case["reference"]["states_kv"]
+    fields: dict[str, Any] = {
+        "positions": plan,
+        "h_dtype": out["h_dtype"],
+        "triton_vs_float64": diff(got_kv, reference[rows]),
+    }
+    ok = plan["as_expected"] and fields["triton_vs_float64"]["max_rel"] <= tol["states"]
+    if "cpu" in case:
+        # The kit's CPU export (mod cpu-gdn-prefill-checkpoint) at the same positions;
+        # it also holds the refused ones (it cuts the recurrence anywhere): those
+        # against the float64 recurrence only.
+        cpu = case["cpu"]["states_kv"]
+        fields["triton_vs_cpu_export"] = diff(got_kv, cpu[rows])
+        fields["cpu_export_vs_float64"] = {
+            **diff(cpu, reference),
+            "count": int(cpu.shape[0]),
+        }
+        ok = (
+            ok
+            and fields["triton_vs_cpu_export"]["max_rel"] <= tol["states"]
+            and fields["cpu_export_vs_float64"]["max_rel"] <= tol["states"]
+        )
+    return {"ok": ok, "tolerance": tol, **fields}
+
+
+def compare_ssd_export(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+    tol = case["tolerance"]
+    plan = _plan_verdict(case, out)
+    rows = _rows_of(case["requested"], out["exported"])
+    fields = {
+        "positions": plan,
+        "states_vs_float64": diff(out["states"], case["reference"]["states"][rows]),
+        "output_vs_float64": diff(out["y"], case["reference"]["y"]),
+    }
+    ok = (
+        plan["as_expected"]
+        and fields["states_vs_float64"]["max_rel"] <= tol["states"]
+        and fields["output_vs_float64"]["max_rel"] <= tol["output"]
+    )
+    return {"ok": ok, "tolerance": tol, **fields}
+
+
 RUNNERS = {
     "postprocess": run_postprocess,
     "precopy": run_precopy,
@@ -488,23 +932,46 @@ RUNNERS = {
 }
 
 
-def check(kernels: Path, cases_path: Path, device: str) -> dict[str, Any]:
+def check(
+    kernels: Path,
+    cases_path: Path,
+    device: str,
+    kinds: set[str] | None = None,
+    only: set[str] | None = None,
+    first_config: bool = False,
+) -> dict[str, Any]:
+    """Run the cases (those of ``kinds``, and of them those named in ``only``)."""
     try:
         cases = torch.load(cases_path, weights_only=True)
     except (OSError, RuntimeError) as exc:
         raise CheckError(f"{cases_path}: cannot read the cases ({exc})") from exc
+    chosen = [
+        c
+        for c in cases["cases"]
+        if (kinds is None or c["kind"] in kinds) and (only is None or c["name"] in only)
+    ]
+    if not chosen:
+        raise CheckError(f"{cases_path}: no case of kinds {kinds} named {only}")
+    needed = {c["kind"] for c in chosen}
     with tempfile.TemporaryDirectory(prefix="kernel-check-") as tmp:
-        align = load_align_kernels(kernels, Path(tmp))
-        fla = load_fla(kernels)
+        # Each release's files load only where its cases need them.
+        align = load_align_kernels(kernels, Path(tmp)) if needed & set(RUNNERS) else None
+        fla = load_fla(kernels) if needed & {"gdn", "gdn_export"} else None
+        ssd = load_ssd(kernels, Path(tmp)) if "ssd_export" in needed else None
+        if first_config:
+            for package in (FLA_PACKAGE, MAMBA_PACKAGE):
+                first_configs(package)
         results = []
-        for case in cases["cases"]:
+        for case in chosen:
             start = time.monotonic()
             if case["kind"] == "gdn":
-                out = run_gdn(fla, case, device)
-                verdict = compare_gdn(case, out)
+                verdict = compare_gdn(case, run_gdn(fla, case, device))
+            elif case["kind"] == "gdn_export":
+                verdict = compare_gdn_export(case, run_gdn_export(fla, case, device))
+            elif case["kind"] == "ssd_export":
+                verdict = compare_ssd_export(case, run_ssd_export(ssd, case, device))
             else:
-                out = RUNNERS[case["kind"]](align, case, device)
-                verdict = compare_copy(case, out)
+                verdict = compare_copy(case, RUNNERS[case["kind"]](align, case, device))
             results.append(
                 {
                     "name": case["name"],
@@ -517,7 +984,9 @@ def check(kernels: Path, cases_path: Path, device: str) -> dict[str, Any]:
 
     return {
         "device": device,
+        "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
         "interpreter": interpreting(),
+        "autotune": "first config" if first_config or interpreting() else "every config",
         "triton": triton.__version__,
         "torch": torch.__version__,
         "kernels": str(kernels),
@@ -527,31 +996,167 @@ def check(kernels: Path, cases_path: Path, device: str) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------
+# the device bundle (make device-check)
+# --------------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def run_bundle(
+    bundle: Path, device: str, dry_run: bool, first_config: bool = False
+) -> dict[str, Any]:
+    """Every release of a bundle in a process of its own (each loads its files as
+    ``vllm.*``), against the bundle's cases; ``dry_run``: under the interpreter on the
+    CPU, only the manifest's tiny cases."""
+    try:
+        manifest = json.loads((bundle / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckError(f"{bundle / MANIFEST}: cannot read the manifest ({exc})") from exc
+    files = {manifest["cases"]["file"]: manifest["cases"]["sha256"]}
+    files |= {r["kernels"]: r["sha256"] for r in manifest["releases"].values()}
+    for name, want in files.items():
+        path = bundle / name
+        if not path.is_file():
+            raise CheckError(f"{path}: missing from the bundle")
+        if _sha256(path) != want:
+            raise CheckError(f"{path}: sha256 differs from {MANIFEST}; rewrite the bundle")
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)  # the compiled kernels
+    tiny: dict[str, str] = manifest["tiny"]  # case name: its kind
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
+        import tarfile
+
+        for version, release in manifest["releases"].items():
+            kernels = Path(tmp) / version
+            with tarfile.open(bundle / release["kernels"]) as tar:
+                tar.extractall(kernels, filter="data")
+            kinds = release["kinds"]
+            names = {n for n, kind in tiny.items() if kind in kinds}
+            if dry_run and not names:
+                continue
+            command = [
+                sys.executable,
+                "-W",
+                "ignore::RuntimeWarning",  # numpy on masked-off lanes of the interpreter
+                str(Path(__file__).resolve()),
+                "--kernels",
+                str(kernels),
+                "--cases",
+                str(bundle / manifest["cases"]["file"]),
+                "--device",
+                device,
+                "--kinds",
+                ",".join(kinds),
+                "--out",
+                str(Path(tmp) / f"{version}.json"),
+            ]
+            if dry_run:
+                command += ["--only", ",".join(sorted(names))]
+            if first_config:
+                command.append("--first-config")
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            if done.returncode not in (0, 1):
+                raise CheckError(
+                    f"vLLM {version}'s kernels could not run (exit {done.returncode}):\n"
+                    f"{done.stderr[-4000:]}"
+                )
+            results[version] = json.loads((Path(tmp) / f"{version}.json").read_text())
+    ran = {c["name"] for r in results.values() for c in r["cases"]}
+    if dry_run and ran != set(tiny):
+        raise CheckError(f"the dry run ran {sorted(ran)}, the manifest names {sorted(tiny)}")
+    return {
+        "bundle": str(bundle),
+        "made_by": manifest.get("made_by"),
+        "device": device,
+        "dry_run": dry_run,
+        "ok": bool(results) and all(r["ok"] for r in results.values()),
+        "releases": results,
+    }
+
+
+def _split(text: str | None) -> set[str] | None:
+    return None if text is None else {t for t in text.split(",") if t}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", type=Path, required=True, help="folder with the sdist files")
+    parser.add_argument("--kernels", type=Path, help="folder with the sdist files")
+    parser.add_argument("--cases", type=Path, help="cases.pt from kit.rig.kernel_check")
     parser.add_argument(
-        "--cases", type=Path, required=True, help="cases.pt from kit.rig.kernel_check"
+        "--bundle", type=Path, help="a bundle folder (cases, kernels per release, manifest)"
     )
-    parser.add_argument("--device", default="cpu", help="cpu (TRITON_INTERPRET=1) or cuda")
+    parser.add_argument(
+        "--device", help="cpu (TRITON_INTERPRET=1) or cuda (default: cpu, or cuda with --bundle)"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="--bundle under the interpreter, tiny cases only"
+    )
+    parser.add_argument("--kinds", help="comma-separated case kinds to run (default: all)")
+    parser.add_argument("--only", help="comma-separated case names to run (default: all)")
+    parser.add_argument(
+        "--first-config",
+        action="store_true",
+        help="every autotuned kernel runs its first config (compiles faster on a GPU)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="the result JSON file")
     args = parser.parse_args(argv)
-    if args.device == "cpu" and not interpreting():
+    if args.bundle is None and (args.kernels is None or args.cases is None):
+        parser.error("give --bundle, or --kernels and --cases")
+    device = args.device or ("cuda" if args.bundle and not args.dry_run else "cpu")
+    if args.dry_run and device != "cpu":
+        parser.error("--dry-run runs on the CPU, under the interpreter")
+    if args.bundle is None and device == "cpu" and not interpreting():
         print(
             "error: --device cpu needs TRITON_INTERPRET=1 (Triton's interpreter)", file=sys.stderr
         )
         return 2
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {device}, but torch sees no GPU", file=sys.stderr)
+        return 2
     try:
-        result = check(args.kernels, args.cases, args.device)
+        if args.bundle is not None:
+            result = run_bundle(args.bundle, device, args.dry_run, args.first_config)
+            cases = [
+                {**c, "name": f"{v}/{c['name']}"}
+                for v, r in result["releases"].items()
+                for c in r["cases"]
+            ]
+        else:
+            result = check(
+                args.kernels,
+                args.cases,
+                device,
+                _split(args.kinds),
+                _split(args.only),
+                args.first_config,
+            )
+            cases = result["cases"]
     except CheckError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    bad = [c["name"] for c in result["cases"] if not c["ok"]]
-    print(f"{len(result['cases']) - len(bad)}/{len(result['cases'])} cases within tolerance")
+    bad = [c["name"] for c in cases if not c["ok"]]
+    print(f"{len(cases) - len(bad)}/{len(cases)} cases within tolerance")
     for name in bad:
         print(f"FAILED: {name}")
-    return 1 if bad else 0
+    return 1 if bad or not result["ok"] else 0
 
 
 if __name__ == "__main__":
