@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import os
 import shlex
@@ -50,8 +51,9 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from kit import bundle
@@ -127,6 +129,74 @@ def _interrupt(signum: int, _frame: object) -> None:
     for sig in EXIT_SIGNAL:
         signal.signal(sig, signal.SIG_IGN)
     raise Interrupted(signum)
+
+
+class BenchBusy(RuntimeError):
+    """Another bench holds this checkout's bench lock."""
+
+
+@contextmanager
+def bench_lock() -> Iterator[None]:
+    """Hold this checkout's bench lock (``.cache/bench.lock``) for the block, or raise
+    BenchBusy at once. Two benches at once share the CPUs (and the compile caches
+    under .cache/vllm), and each would measure the other's load as its own.
+
+    ``flock``: the kernel drops it when its holder ends, however it ends (``kill -9``
+    too), so there is no stale lock to clean up; the pid written into the file is
+    only for the message. The descriptor is close-on-exec and ``subprocess`` closes
+    it in children, so a server or a watchdog never holds it."""
+    path = ROOT / ".cache" / "bench.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            who, stop = (f"pid {holder}", f"kill {holder}") if holder.isdigit() else ("", "")
+            raise BenchBusy(
+                f"another bench ({who or 'pid unknown'}) is running in this checkout "
+                f"({ROOT}): two at once share the CPUs and overlap their measurements; "
+                f"wait until it ends{f', or stop it ({stop})' if stop else ''}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def space_problem() -> str | None:
+    """What a space in a path the servers compile from would break, or None.
+
+    torch's compile step (inductor, at every CPU server's start) runs g++ with a
+    command line it splits at spaces: the include paths under the Python
+    environment (torch's headers), the compile cache under the checkout
+    (VLLM_CACHE_ROOT) and torch's temporary folder must have none. The servers would
+    fail only after loading the model (the compile comes late in their start-up, and
+    the engine then hangs); the kit cannot quote torch's command, so it refuses up
+    front."""
+    move = "move the checkout to a path without spaces (and run make setup there)"
+    places = [
+        ("the checkout", ROOT, move),
+        ("the Python environment", Path(sys.prefix), move),
+        ("the temporary folder", Path(tempfile.gettempdir()), "set TMPDIR to one without"),
+    ]
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        places.append(
+            (
+                "TORCHINDUCTOR_CACHE_DIR",
+                Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]),
+                "point it at a path without spaces, or unset it",
+            )
+        )
+    for what, path, fix in places:
+        if any(ch.isspace() for ch in str(path)):
+            return (
+                f"{what} ({path}) has a space in its path, and torch's compile step splits "
+                f"its compiler command at spaces, so the servers would fail to start; {fix}"
+            )
+    return None
 
 
 def positive_int(text: str) -> int:
@@ -538,6 +608,28 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Servers this process starts (or becomes): they compile with torch.
+    serves = not (args.external or args.merge_sessions or args.print_serve_args)
+    if serves:
+        problem = space_problem()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    with ExitStack() as stack:
+        # A bench that starts its servers here holds the checkout's lock from before
+        # it writes anything (the tiny model under .models, the results folder) until
+        # its servers are stopped. With --server-url the servers are someone else's
+        # (the container flow runs each client in its own container).
+        if serves and not args.serve_only:
+            try:
+                stack.enter_context(bench_lock())
+            except BenchBusy as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         base, patched_extra, env, num_spec, model_record = serve_plan(args)
     except (models.LockError, models.VerifyError) as exc:
@@ -594,8 +686,11 @@ def main(argv: list[str] | None = None) -> int:
         MetricsError,
         OSError,
     ) as exc:
-        where = _give_up(out, chosen, str(exc), "failed")
-        print(f"error: {exc}\nlogs: {where / bundle.LOGS}", file=sys.stderr)
+        where = _give_up(out, chosen, str(exc), "failed", say=False)
+        # One line. The error may name a file in the run's folder (a server's log),
+        # which _give_up renamed when the kit chose the folder.
+        message = str(exc).replace(str(out), str(where)) if where != out else str(exc)
+        print(f"error: {message} (the run's folder, with failed.json: {where})", file=sys.stderr)
         return 1
     except BaseException as exc:
         # Anything else (a tree that cannot be built, a bug): the folder still says
@@ -608,10 +703,10 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
-def _give_up(out: Path, chosen: bool, reason: str, status: str) -> Path:
+def _give_up(out: Path, chosen: bool, reason: str, status: str, say: bool = True) -> Path:
     """A run that wrote no bench.json says why in failed.json; a folder the kit named
     itself gets a ``-failed`` suffix so nothing takes it for a bundle. Returns where
-    it is now."""
+    it is now; ``say``: print why and where (else the caller does, in its own line)."""
     if (out / bundle.BENCH).is_file():
         return out
     try:
@@ -622,7 +717,8 @@ def _give_up(out: Path, chosen: bool, reason: str, status: str) -> Path:
         moved = out.with_name(out.name + "-failed")
         os.replace(out, moved)
         out = moved
-    print(f"{status}: {reason}; what the run left is in {out}", file=sys.stderr)
+    if say:
+        print(f"{status}: {reason}; what the run left is in {out}", file=sys.stderr)
     return out
 
 

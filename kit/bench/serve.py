@@ -3,12 +3,20 @@
 The server always stops: on normal exit, on failure, on Ctrl-C and on SIGTERM
 (``kit.bench.run`` turns SIGTERM into an exception), by signalling its whole process
 group (vLLM forks engine-core and worker processes) and waiting until no member
-of the group is left, also when the API server itself already died.
+of the group is left, also when the API server itself already died. Where the kit
+cannot stop it (``kill -9`` of the kit), the server's watchdog does
+(``kit.process_group.Watchdog``).
+
+A start-up that cannot succeed fails within seconds, not at the health timeout:
+the API server exits, one of vLLM's engine processes dies while the API server
+lives on, or vLLM logs that its engine failed (the engine then may hang instead of
+exiting: a checkout path with a space fails torch's compile step that way).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,11 +29,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit.loopback import urlopen
-from kit.process_group import ProcessGroupError, pause_group, resume_group, stop_group
+from kit.process_group import (
+    ProcessGroupError,
+    Watchdog,
+    group_members,
+    pause_group,
+    process_title,
+    resume_group,
+    stop_group,
+)
 from kit.vllm_tree.trees import Tree
 
 PORT_IN_USE = "Address already in use"
 PORT_ATTEMPTS = 3
+# vLLM's process titles (``VLLM::EngineCore``, ``VLLM::Worker_TP0``; set with
+# setproctitle) of the processes a server cannot serve without.
+ENGINE_TITLES = ("EngineCore", "Worker")
+# vLLM's log lines for an engine that will not serve. The engine may hang after the
+# first instead of exiting (seen with torch's failed compile step), and the API
+# server then waits for it.
+ENGINE_FAILED = (
+    "EngineCore failed to start",
+    "EngineCore encountered a fatal error",
+    "engine core exited unexpectedly",
+    "Engine core initialization failed",
+)
+# A log line that names an exception: the cause an error quotes.
+EXCEPTION_LINE = re.compile(r"\b(?:[A-Z]\w*)?(?:Error|Exception): .*")
+# A start that failed: the server never served, so its stop need not wait long for
+# a graceful exit (a hung engine ignores SIGTERM; SIGKILL comes after this).
+FAILED_START_GRACE = 5.0
 
 
 class ServerError(RuntimeError):
@@ -98,6 +131,11 @@ class Server:
     command: Callable[[str, int, list[str]], list[str]] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopping: bool = field(default=False, repr=False)
+    _watchdog: Watchdog | None = field(default=None, repr=False)
+    # Start-up: vLLM's engine processes seen so far (pid: title), and how far the
+    # log has been read for ENGINE_FAILED.
+    _engines: dict[int, str] = field(default_factory=dict, repr=False)
+    _log_read: int = field(default=0, repr=False)
 
     @property
     def url(self) -> str:
@@ -131,30 +169,93 @@ class Server:
             # stop() from another thread (a signal) must not race a start.
             if self._stopping:
                 raise ServerError(f"{self.name}: stopped before it started")
-            with self.log_path.open("w") as log:
-                log.write("$ " + " ".join(cmd) + "\n")
-                log.flush()
-                self.process = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
+            self.log_path.write_text("$ " + " ".join(cmd) + "\n")
+            # The watchdog first: the server's environment carries its token.
+            watchdog = Watchdog(self.log_path)
+            try:
+                # Appending, as the watchdog does: neither overwrites the other's lines.
+                with self.log_path.open("a") as log:
+                    self.process = subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={**env, **watchdog.env()},
+                        start_new_session=True,
+                    )
+            except BaseException:
+                watchdog.release()
+                raise
+            watchdog.watch(self.process.pid)
+            self._watchdog = watchdog
+            self._engines, self._log_read = {}, 0
 
     def _wait_healthy(self) -> None:
+        problem: str | None = None
+
+        def fine() -> bool:
+            nonlocal problem
+            problem = self._startup_problem()
+            return problem is None
+
         try:
-            wait_healthy(
-                self.url,
-                self.startup_timeout,
-                lambda: self.alive() and not self._stopping,
-                self.name,
-            )
+            wait_healthy(self.url, self.startup_timeout, fine, self.name)
         except ServerError as exc:
-            died = self.process is not None and self.process.poll() is not None
-            self._kill()
-            if died:
-                raise ServerError(
-                    f"{self.describe()}: exited with {self.process.returncode} "
-                    f"during startup; last log lines:\n{self.log_tail()}"
-                ) from exc
-            raise ServerError(f"{exc}; log: {self.log_path}") from exc
+            cause = self._cause()  # before the stop adds its own lines to the log
+            self._kill(FAILED_START_GRACE)
+            what = problem or f"not healthy after {self.startup_timeout:.0f} s"
+            # One line: what happened, vLLM's own words for why, where to read more.
+            raise ServerError(
+                f"{self.describe()}: {what}{cause}; its log: {self.log_path}"
+            ) from exc
+
+    def _startup_problem(self) -> str | None:
+        """Why waiting for /health is pointless now, or None: the API server exited,
+        an engine process of vLLM's died (the API server can outlive it), or vLLM
+        logged that its engine failed."""
+        if self._stopping:
+            return "stopped during start-up"
+        if self.process is None:
+            return "never started"
+        code = self.process.poll()
+        if code is not None:
+            return f"exited with {code} during start-up"
+        engines: dict[int, str] = {}
+        for pid in group_members(self.process.pid):
+            title = process_title(pid)
+            if title.partition("::")[2].startswith(ENGINE_TITLES):
+                engines[pid] = title
+        gone = {pid: title for pid, title in self._engines.items() if pid not in engines}
+        self._engines.update(engines)
+        if gone:
+            pid, title = next(iter(gone.items()))
+            return f"its engine process {title} (pid {pid}) died during start-up"
+        failed = self._new_log_line(ENGINE_FAILED)
+        if failed:
+            return f"vLLM logged {failed!r} during start-up (its engine will not serve)"
+        return None
+
+    def _new_log_line(self, words: tuple[str, ...]) -> str | None:
+        """The first of ``words`` in the log's lines written since the last call."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_read)
+                text = log.read()
+        except OSError:
+            return None
+        # Only whole lines; a line still being written is read next time.
+        text = text[: text.rfind(b"\n") + 1]
+        self._log_read += len(text)
+        lines = text.decode(errors="replace").splitlines()
+        return next((w for line in lines for w in words if w in line), None)
+
+    def _cause(self) -> str:
+        """The last exception the log names (vLLM's root cause, usually), as
+        ``; cause: ...``; "" when it names none."""
+        for line in reversed(self.log_tail(200).splitlines()):
+            found = EXCEPTION_LINE.search(line)
+            if found:
+                return f"; cause: {found.group(0).strip()[:300]}"
+        return ""
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -214,12 +315,19 @@ class Server:
             return
         try:
             stop_group(process.pid, grace)
-        except ProcessGroupError as exc:
-            raise ServerError(f"{self.describe()}: {exc}") from exc
-        try:
             process.wait(timeout=grace)
+        except ProcessGroupError as exc:
+            self._release_watchdog(stopped=False)  # it keeps trying after the kit
+            raise ServerError(f"{self.describe()}: {exc}") from exc
         except subprocess.TimeoutExpired:  # a leader that outlived SIGKILL
+            self._release_watchdog(stopped=False)
             raise ServerError(f"{self.describe()}: pid {process.pid} survived SIGKILL") from None
+        self._release_watchdog()
+
+    def _release_watchdog(self, stopped: bool = True) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.release(stopped)  # safe twice (a stop and a failed start at once)
 
     def __enter__(self) -> Server:
         try:
