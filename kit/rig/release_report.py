@@ -17,6 +17,13 @@ Both modes report the EAGLE-specific loss: the hit without speculation, less
 what EAGLE is entitled to (one unit; with lookahead hashes down to the ideal),
 minus the hit. ``STALE STATE`` (B resumed from a state not made by its own
 prefix) fails the run. Results: ``results/regression/<release>/regression.{json,md}``.
+
+Beside the two modelled trees, the release as installed ("stock", the pristine
+tree: no mod at all) is measured too and shown as columns of its own. The
+geometry model describes the unpatched tree, which carries the defect fixes, so
+stock is compared with unpatched, case by case (``= unpatched`` or ``differs``;
+``STALE STATE`` where a defect fix keeps a state from being published wrong);
+stock never fails the run.
 """
 
 from __future__ import annotations
@@ -53,6 +60,22 @@ def verdict(case: Case, stage: str, row: dict) -> str:
     return "ok" if row["hit"] >= lookahead_ideal(case, row["hash_lookahead"]) else "loss"
 
 
+STOCK = "pristine"  # the stage name of the release as installed
+
+
+def stock_verdict(row: dict, unpatched: dict | None) -> str:
+    """Stock against the unpatched tree's measured hit (the model is unpatched's)."""
+    if not row["state_ok"]:
+        return "STALE STATE"
+    if unpatched is None:
+        return "-"
+    return "= unpatched" if row["hit"] == unpatched["hit"] else "differs"
+
+
+def column(stage: str, mode: str) -> str:
+    return f"{'stock' if stage == STOCK else stage}/{mode}"
+
+
 def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str = "split") -> dict:
     cases = all_cases(checkpoints)
     plain_of = without_speculation()
@@ -62,15 +85,18 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
         for (stage, mode), data in measured.items():
             row = data["rows"][case_id]
             base = data["rows"][plain_of[case_id]]["hit"]
-            key = f"{stage}/{mode}"
-            line[key] = {
+            unpatched = measured.get(("unpatched", mode), {}).get("rows", {}).get(case_id)
+            line[column(stage, mode)] = {
                 "hit": row["hit"],
                 "ideal": lookahead_ideal(case, row["hash_lookahead"]),
                 "eagle_loss": eagle_specific_loss(case, row["hit"], base, row["hash_lookahead"]),
-                "verdict": verdict(case, stage, row),
+                "verdict": (
+                    stock_verdict(row, unpatched) if stage == STOCK else verdict(case, stage, row)
+                ),
             }
         rows.append(line)
-    keys = [f"{stage}/{mode}" for stage, mode in measured]
+    keys = [column(stage, mode) for stage, mode in measured if stage != STOCK]
+    stock_keys = [column(stage, mode) for stage, mode in measured if stage == STOCK]
     later = {
         mode: later_turns.verdicts(
             measured[("unpatched", mode)]["later_turns"], measured[("patched", mode)]["later_turns"]
@@ -86,6 +112,7 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
             stage: [m.name for m in releases.release_mods(version, stage)]
             for stage in ("unpatched", "patched")
         },
+        "stock": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in stock_keys},
         "unit": cases[0][1].unit,
         "rows": rows,
         "summary": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in keys},
@@ -99,7 +126,7 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
 def render(report: dict) -> str:
     from tabulate import tabulate
 
-    keys = list(report["summary"])
+    keys = [*report.get("stock", {}), *report["summary"]]
     headers = ["case"] + [f"{k} hit (ideal)" for k in keys] + [f"{k}" for k in keys]
     body = [
         [r["case"]]
@@ -122,7 +149,9 @@ def render(report: dict) -> str:
             "",
             REGIME_NOTE,
             "",
-            f"Mods: {mods_line}.",
+            f"Mods: stock: none (the release as installed); {mods_line}.",
+            "",
+            f"Stock against unpatched: {report.get('stock', {})}",
             "",
             f"Summary: {report['summary']}",
             "",
@@ -148,7 +177,7 @@ def run(
     from kit.weights.tiny_model import write_tiny_model
 
     try:
-        stage_list = releases.stages(version)
+        stage_list = [STOCK, *releases.stages(version)]
     except releases.ReleaseError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
