@@ -100,7 +100,13 @@ CHECKPOINT_OPT = $(if $(CHECKPOINTS),--checkpoints $(CHECKPOINTS))
 
 bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs patched, on this host's target
 
+# A variable given on the command line or in the environment that a target would
+# ignore is refused instead: $(call refuse,TARGET,VAR ...,what to use).
+given = $(strip $(foreach v,$(1),$(if $(filter command line environment,$(origin $(v))),$(v))))
+refuse = $(if $(call given,$(2)),@echo "error: make $(1) ignores $(call given,$(2)); $(3)" >&2; exit 2)
+
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP; internal checkpoint path unless CHECKPOINTS=split or BENCH_ARGS="--checkpoints split"; BENCH_ARGS="--arch qwen3_5_moe": the primary model's architecture), REPS= repetitions; writes results/<date>-cpu-<id>/
+	$(call refuse,bench-cpu,TURN_REPS TURN_ARGS,REPS= and BENCH_ARGS= set the bench (TURN_* are make turn-cost's))
 	$(KIT) bench --reps $(REPS) $(CHECKPOINT_OPT) $(BENCH_ARGS)
 
 # var TURN_REPS: repetitions per tree and round of turn-cost (default 5)
@@ -109,6 +115,7 @@ TURN_REPS ?= 5
 TURN_ARGS ?=
 
 turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched (TURN_REPS= per tree and round; CHECKPOINTS=split for the split path; TURN_ARGS=--one-process: one process, the fix off and on); results/turn-cost-<path>.json
+	$(call refuse,turn-cost,REPS BENCH_ARGS,TURN_REPS= and TURN_ARGS= set turn-cost (REPS and BENCH_ARGS are make bench's))
 	$(KIT) turn-cost --reps $(TURN_REPS) $(CHECKPOINT_OPT) $(TURN_ARGS)
 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
@@ -159,9 +166,11 @@ ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED)) 
   $(if $(filter 1,$(ONE_SERVER)),--one-server) $(if $(BLOCK_REPS),--block-reps $(BLOCK_REPS))
 
 bench-gb10: setup-host ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
+	$(call refuse,bench-gb10,BENCH_ARGS TURN_REPS TURN_ARGS,the container flow takes REPS= SHARED= CHECKPOINTS= MODEL= NODES= ONE_SERVER=)
 	$(ORCH) gb10 $(ORCH_BENCH)
 
 bench-strix: setup-host ## Strix Halo: host check, images, offline models, suites and TTFT in containers, bundle
+	$(call refuse,bench-strix,BENCH_ARGS TURN_REPS TURN_ARGS,the container flow takes REPS= SHARED= CHECKPOINTS= MODEL= NODES= ONE_SERVER=)
 	$(ORCH) strix $(ORCH_BENCH)
 
 # The container flow would silently ignore BENCH_ARGS; it refuses them instead.

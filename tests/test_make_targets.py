@@ -58,3 +58,20 @@ def test_make_test_with_tests_runs_only_those(tmp_path: Path) -> None:
     assert "upstream_suite" not in out and "-m tree" not in out
     whole = dry_run(tmp_path, "test")
     assert "upstream_suite --reuse-flow" in whole and "upstream_suite --vllm newest" in whole
+
+
+@pytest.mark.parametrize(
+    "target,variable",
+    [
+        ("bench-cpu", "TURN_REPS=3"),
+        ("turn-cost", "REPS=3"),
+        ("turn-cost", "BENCH_ARGS=--step-log"),
+        ("bench-gb10", "BENCH_ARGS=--step-log"),
+        ("bench-cpu-image", "BENCH_ARGS=--step-log"),
+    ],
+)
+def test_a_variable_the_target_ignores_is_refused(
+    tmp_path: Path, target: str, variable: str
+) -> None:
+    out = dry_run(tmp_path, target, variable)
+    assert "error:" in out and "exit 2" in out, out

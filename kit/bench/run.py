@@ -222,9 +222,14 @@ def max_model_len(serve: list[str]) -> int | None:
     return None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """``kit bench``'s options, each with its help."""
+    # The options first (what a user looks for), the method after them.
+    summary, _, method = (__doc__ or "").partition("\n\n")
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=summary,
+        epilog=method,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--reps", type=positive_int, default=10, help="repetitions (default: %(default)s)"
@@ -237,9 +242,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="context lengths S (default: %(default)s: inside the first 2048-token "
         "block, S mod 16 = 4 and 15; block-aligned; beyond it)",
     )
-    parser.add_argument("--block", type=int, default=CPU_BLOCK)
-    parser.add_argument("--unit", type=int, default=UNIT)
-    parser.add_argument("--num-spec", type=int, default=1, help="MTP draft tokens (0: none)")
+    # Named as vLLM names the same settings; the kit's older spellings stay as aliases.
+    parser.add_argument(
+        "--block-size",
+        "--block",
+        dest="block",
+        type=int,
+        default=CPU_BLOCK,
+        help="the hybrid model's physical block in tokens, as vLLM's --block-size "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-match-unit",
+        "--unit",
+        dest="unit",
+        type=int,
+        default=UNIT,
+        help="vLLM's --prefix-match-unit H, the prefix-cache hit granularity "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        "--num-spec",
+        dest="num_spec",
+        type=int,
+        default=1,
+        help="MTP draft tokens per step, as vLLM's speculative config names it "
+        "(0: no speculation; default: %(default)s)",
+    )
     parser.add_argument(
         "--checkpoints",
         choices=CHECKPOINT_PATHS,
@@ -258,7 +288,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, help="the bundle folder (default: results/<date>-cpu-<id>)"
     )
-    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a server may take to answer /health (default: %(default)s)",
+    )
     parser.add_argument(
         "--print-serve-args", action="store_true", help="print the server arguments as JSON"
     )
@@ -348,6 +383,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=models.DEFAULT_STORE,
         help="model store for --model (default: %(default)s)",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     bad = [item for item in args.server_url if "=" not in item]
     if bad:
