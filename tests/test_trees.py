@@ -121,7 +121,7 @@ def test_a_tree_that_took_the_fix_by_hand_is_rebuilt(tmp_path: Path) -> None:
 
     def fill(build: Path) -> None:
         builds.append(build)
-        trees._hardlink_copy(trees.venv_vllm(), build / "vllm")
+        trees._copy_package(trees.venv_vllm(), build / "vllm")
 
     fix = mods.load_mod("fix-eagle-fine-prefix")
     trees.stamped_folder(home, {"v": 1}, fill, "vllm")

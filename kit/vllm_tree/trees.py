@@ -167,6 +167,7 @@ def _copy_package(source: Path, dest: Path) -> None:
     the other tree too). ``--reflink=auto`` clones the data where the filesystem can
     (copy-on-write: still separate inodes), ``-a`` keeps the mtimes, so the copied
     bytecode stays valid."""
+    dest.parent.mkdir(parents=True, exist_ok=True)  # cp makes only the last folder
     done = subprocess.run(
         ["cp", "-a", "--reflink=auto", "--", str(source), str(dest)],
         capture_output=True,
@@ -182,9 +183,6 @@ def _copy_package(source: Path, dest: Path) -> None:
     for lock in dest.rglob(mods.LOCK_NAME):  # the source's, if a mod ran on it
         lock.unlink()
 
-
-# The old name, still used by tests/test_trees.py; the copy is no longer hard links.
-_hardlink_copy = _copy_package
 
 # Written into a tree after its build without changing it: the bytecode Python
 # writes beside the modules it imports, and the mod engine's lock (``kit mods``).
