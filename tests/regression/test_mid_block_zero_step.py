@@ -1,0 +1,131 @@
+"""The engine step a mid-block resume pays under internal prefill checkpoints.
+
+``fix-mamba-mid-block-resume-stop`` (both trees) ends a chunk that starts inside
+a Mamba block at the next block boundary, also when the layer could export the
+prompt checkpoint in one pass; the zero-step form would instead export the
+boundary state into its own column (the resume column) in the same pass.
+``docs/mid-block-zero-step.md`` has the design and where it is possible. These
+tests pin today's chunk counts (passing) and the zero-step counts (strict
+xfail): when a layer and the scheduler learn the in-pass boundary export, the
+xfails start passing and must be turned around.
+
+A second, different extra step is pinned too: the cached-B shape of the README's
+'What is open' (S = 2159, block 2048), whose chunk never reaches a block
+boundary; its second step comes from ``is_mamba_prefill_checkpoint_valid``'s
+column rule, not from the mid-block stop.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kit.geometry.geometry_model import Case, Geometry
+from kit.rig.sched_harness import SchedulerRig, run_case
+
+pytestmark = [pytest.mark.cpu, pytest.mark.tree]
+
+CONTEXT = list(range(100, 3100))
+# Block 384, H = 16, no drafting, Mamba2-like layer (alignment 1). A (420
+# tokens) prefills in one chunk and exports its checkpoint 416; B (1200
+# tokens) resumes there, inside block 1 ([384, 768)) at a hash-aligned
+# position, and its rest [416, 1200) could export B's checkpoint 1184 in one
+# pass (its column cdiv(1200, 384) - 2 = 2 lies above the initial state's
+# column (416 - 1) // 384 = 1).
+MID_BLOCK = Geometry(384, 16, 0, checkpoints="internal-1")
+
+
+def _mid_block_run(tiny_model_dir):
+    rig = SchedulerRig(tiny_model_dir, MID_BLOCK)
+    a = rig.run(CONTEXT[:420])
+    assert rig.chunk_ends[a.request_id] == [420]
+    assert rig.exports[a.request_id] == [416]
+    b = rig.run(CONTEXT[:1200])
+    assert b.hit == 416 and b.resumed_from_own_prefix()
+    c = rig.run(CONTEXT[:800])
+    return rig, b, c
+
+
+def test_mid_block_resume_pays_a_chunk_end_at_the_boundary(tiny_model_dir) -> None:
+    """Today (passes): B runs [416, 768) then [768, 1200) with the export at 1184;
+    C (800 tokens) resumes at 768 from a state of its own 768 tokens."""
+    rig, b, c = _mid_block_run(tiny_model_dir)
+    assert rig.chunk_ends[b.request_id] == [768, 1200]
+    assert rig.exports[b.request_id] == [1184]
+    assert c.hit == 768 and c.resumed_from_own_prefix()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "Scheduler._mamba_block_aligned_split (with fix-mamba-mid-block-resume-stop) "
+        "ends a chunk that starts mid-block at the next boundary: no layer exports "
+        "the boundary state into the resume column in the same pass (one "
+        "checkpoint per row: compute_mamba_prefill_checkpoints, Mamba2's "
+        "checkpoint_chunk_idx, FlashInfer GDN's plan rows), so B pays a chunk end"
+    ),
+)
+def test_mid_block_resume_in_one_pass(tiny_model_dir) -> None:
+    """The zero-step form: one chunk [416, 1200) exporting 768 into the resume
+    column 1 (B's private copy-on-write block, already copied into the running
+    column 3 before the pass) and 1184 into column 2, and C still resumes at 768
+    from its own prefix."""
+    rig, b, c = _mid_block_run(tiny_model_dir)
+    assert rig.chunk_ends[b.request_id] == [1200]
+    assert sorted(rig.exports[b.request_id]) == [768, 1184]
+    assert c.hit == 768 and c.resumed_from_own_prefix()
+
+
+def test_mid_block_resume_on_the_flashinfer_grid_is_not_only_the_stop(tiny_model_dir) -> None:
+    """Passes: on FlashInfer's 64-token grid the same B takes four chunks, and the
+    stop at 768 is one of three it cannot skip: 1184 is off the grid from 768
+    (416 tokens), so the split path's block stop (1152) and tail stop (1184)
+    follow. An in-pass boundary export from 416 would be off the grid as well
+    (768 - 416 = 352)."""
+    rig = SchedulerRig(tiny_model_dir, Geometry(384, 16, 0, checkpoints="internal-grid"))
+    a = rig.run(CONTEXT[:420])
+    assert rig.chunk_ends[a.request_id] == [384, 416, 420]
+    b = rig.run(CONTEXT[:1200])
+    assert b.hit == 416
+    assert rig.chunk_ends[b.request_id] == [768, 1152, 1184, 1200]
+    assert b.request_id not in rig.exports
+
+
+# The README's open item: 2048-token blocks, one draft token, the CPU default's
+# internal path (alignment 1), S = 2159 plus the probe. The patched tree's B
+# resumes at 2128, inside block 1, and its prompt (2207) ends in the same block.
+CACHED_B_2159 = Case(Geometry(2048, 16, 1, checkpoints="internal-1"), 2159, 1)
+
+
+def _cached_b_2159(tiny_model_dir, tree_is_patched: bool):
+    if not tree_is_patched:
+        pytest.skip("unpatched B resumes at 0 and prefills in one chunk")
+    rig, _, b, _ = run_case(tiny_model_dir, CACHED_B_2159, fix=True)
+    assert b.hit == 2128 and b.resumed_from_own_prefix()
+    return rig, b
+
+
+def test_cached_b_2159_pays_the_tail_stop(tiny_model_dir, tree_is_patched: bool) -> None:
+    """Today (passes, patched tree): B runs [2128, 2176) and [2176, 2207). Its
+    checkpoint 2176 cannot be exported from 2128: the export column
+    ``cdiv(2207, 2048) - 2 = 0`` is not above the initial state's column 1, so
+    the scheduler stops at the prompt checkpoint. No block boundary lies in
+    [2128, 2207): the mid-block stop plays no part."""
+    rig, b = _cached_b_2159(tiny_model_dir, tree_is_patched)
+    assert rig.chunk_ends[b.request_id] == [2176, 2207]
+    assert b.request_id not in rig.exports
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "is_mamba_prefill_checkpoint_valid requires the export column "
+        "cdiv(end, B) - 2 above the initial state's column; a chunk inside one "
+        "block has no such column, so the scheduler stops at the prompt "
+        "checkpoint (a second engine step)"
+    ),
+)
+def test_cached_b_2159_in_one_pass(tiny_model_dir, tree_is_patched: bool) -> None:
+    """The zero-step form: one chunk exporting 2176 into a block of its own."""
+    rig, b = _cached_b_2159(tiny_model_dir, tree_is_patched)
+    assert rig.chunk_ends[b.request_id] == [2207]
+    assert rig.exports[b.request_id] == [2176]
