@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,12 +106,36 @@ def read_bundle(folder: Path, results: Path) -> Bundle | None:
     )
 
 
+def committed(results: Path) -> set[Path] | None:
+    """The files under ``results`` that git tracks, or None outside a git checkout.
+    The index lists what is committed: a run made here (``make bench``, the CI's
+    own runs) stays out of it until it is committed."""
+    done = subprocess.run(
+        ["git", "ls-files", "-z", "--", "."],
+        cwd=results,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return None
+    return {results / name for name in done.stdout.split("\0") if name}
+
+
+def _kept(paths: list[Path], tracked: set[Path] | None) -> list[Path]:
+    """``paths`` that are (or, for a folder, hold) tracked files."""
+    if tracked is None:
+        return paths
+    folders = {parent for file in tracked for parent in file.parents}
+    return [p for p in paths if p in tracked or p in folders]
+
+
 def find_bundles(results: Path) -> list[Bundle]:
-    """Every bundle under results/ and results/archive/, oldest first."""
+    """Every committed bundle under results/ and results/archive/, oldest first."""
     folders = [p for p in results.iterdir() if p.is_dir()]
     archive = results / ARCHIVE
     if archive.is_dir():
         folders += [p for p in archive.iterdir() if p.is_dir()]
+    folders = _kept(folders, committed(results))
     found = [b for b in (read_bundle(f, results) for f in folders) if b is not None]
     return sorted(found, key=lambda b: (b.name, b.rel))
 
@@ -176,7 +201,7 @@ def loose_files(results: Path) -> list[Path]:
     for sub in ("regression", "upstream-suite"):
         if (results / sub).is_dir():
             found += (results / sub).rglob("*.json")
-    return sorted(found)
+    return sorted(_kept(found, committed(results)))
 
 
 def describe(path: Path) -> tuple[str, str, str, str]:
@@ -199,7 +224,13 @@ def describe(path: Path) -> tuple[str, str, str, str]:
         summary = data.get("summary") or {}
         passed = "/".join(str((summary.get(t) or {}).get("passed", "?")) for t in summary)
         release = path.parent.name if path.parent.name[:1].isdigit() else "the pin"
-        what = f"vLLM's {data.get('suite', 'prefix-cache suite')}, passed {passed} (u/p)"
+        suite = data.get("suite", "tests/v1/core/prefix_cache")
+        suite = ", ".join(suite) if isinstance(suite, list) else suite
+        what = f"vLLM's own tests ({suite}), passed {passed} ({'/'.join(summary)})"
+    elif kind == "upstream-check":
+        changes = data.get("changes") or {}
+        ok = sum(1 for c in changes.values() if c.get("ok"))
+        what = f"upstream/ changes on pristine vLLM: {ok} of {len(changes)} ok"
     elif kind == "turn-cost":
         what = (
             f"turn-cost, {data.get('mode', '?')}, S {data.get('shared', '?')}, "

@@ -20,7 +20,11 @@ VERSIONS = {
     "bench-failed": 1,  # failed.json: why a bench run left no bench.json
     "manifest": 1,  # manifest.json: the container flow
     "regression": 1,  # regression.json: the scheduler-level tables
-    "upstream-suite": 1,  # upstream-suite.json: vLLM's prefix-cache suite, both trees
+    # upstream-suite.json: vLLM's own suite per tree (since 2026-12-06 the v1 core
+    # suite on pristine, unpatched and patched, with exclusions and release: keys
+    # added, none changed, so still version 1).
+    "upstream-suite": 1,
+    "upstream-check": 1,  # upstream-check.json: each upstream/ change on pristine vLLM
     "mods-drift": 1,  # mods-drift.json: every mod against every release
     "turn-cost": 1,  # turn-cost-<path>.json: where a turn's time goes, per tree and path
     "loss-sweep": 1,  # loss-sweep.json: the geometry model over random geometries

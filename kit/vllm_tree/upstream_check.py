@@ -29,7 +29,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit import bundle
+from kit import bundle, schema
 from kit.vllm_tree import mods, releases, sdists, trees, upstream_suite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if not found:
         print(f"error: no change under {UPSTREAM}", file=sys.stderr)
         return 2
-    bundle.write_json(args.out, {"changes": results})
+    bundle.write_json(args.out, schema.stamp("upstream-check", {"changes": results}))
     for name, result in results.items():
         print(line(name, result))
     return 0 if all(r["ok"] for r in results.values()) else 1
