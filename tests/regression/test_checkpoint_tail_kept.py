@@ -24,20 +24,17 @@ The code is the same in 0.32.0 (this tree) and 0.34.0
 384, H = 16, the layer's alignment 64 (``internal-grid``, FlashInfer GDN) or 1
 (``internal-1``, Mamba2). ``fix=False`` throughout: the release's own rules
 (with both trees' defect fixes), not fix-eagle-fine-prefix's extra stops.
+The same on 0.34.0's own tree: tests/test_release_checkpoint_tail.py (outside
+tests/regression, which also runs inside the images, where no release tree can
+be built).
 """
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from kit.geometry.geometry_model import Case, Geometry, producer_prefill
 from kit.rig.sched_harness import MAMBA_GROUP, SchedulerRig, run_case
-from kit.vllm_tree import releases
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
@@ -167,67 +164,3 @@ def test_the_eagle_fix_masks_the_kept_branch_loss(tiny_model_dir, tree_is_patche
     assert rig.chunk_ends[a.request_id] == [368, 384, 400, 420]
     assert 400 in rig.partial_entries_of(a.request_id, MAMBA_GROUP)
     assert b.hit == bounds.hit == 400 and b.resumed_from_own_prefix()
-
-
-# The same producer and follow-up on 0.34.0's own tree (its unpatched stage, which
-# carries fix-mamba-transient-checkpoint-tail), with the legacy hashing
-# (``disable_lookahead_block_hashes``) and with the default lookahead hashes.
-_ON_RELEASE = """
-import json, sys
-from pathlib import Path
-import kit.vllm_tree.release_plugin  # noqa: F401
-from kit.geometry.geometry_model import Case, Geometry
-from kit.rig.sched_harness import MAMBA_GROUP, run_case
-model, out = sys.argv[1:]
-case = Case(Geometry(384, 16, 1, checkpoints="internal-grid"), 416, 4)
-rows = {}
-for lookahead in (False, True):
-    rig, a, b, bounds = run_case(Path(model), case, lookahead_hashes=lookahead)
-    rows["lookahead" if lookahead else "legacy"] = {
-        "ends": rig.chunk_ends[a.request_id],
-        "exports": rig.exports.get(a.request_id, []),
-        "partials": rig.partial_entries_of(a.request_id, MAMBA_GROUP),
-        "fa_eagle": bounds.fa_eagle,
-        "hit": b.hit,
-        "own_prefix": b.resumed_from_own_prefix(),
-    }
-Path(out).write_text(json.dumps(rows))
-"""
-
-
-@pytest.fixture(scope="module")
-def on_0_34_0(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tree = releases.tree("0.34.0", "unpatched")
-    out = tmp_path_factory.mktemp("kept-0.34.0") / "rows.json"
-    cmd = [sys.executable, "-c", _ON_RELEASE, str(tiny_model_dir), str(out)]
-    root = Path(__file__).resolve().parents[2]
-    subprocess.run(cmd, check=True, env=tree.env(VLLM_LOGGING_LEVEL="ERROR"), cwd=root)
-    return json.loads(out.read_text())
-
-
-def test_on_0_34_0_the_loss_needs_the_legacy_hashing(on_0_34_0: dict) -> None:
-    """Passes: 0.34.0 does the same as this tree under the legacy hashing (the
-    kept export 384, nothing at 400, B at 384 though attention allows 400).
-    With the default lookahead hashes its last cacheable block stop is
-    ``floor((N - 1) / B) * B = 384``, below the prompt checkpoint 416: the chunk
-    that ends there starts on the boundary, has no export, and 416 is published."""
-    legacy, lookahead = on_0_34_0["legacy"], on_0_34_0["lookahead"]
-    assert legacy["ends"] == [400, 420] and legacy["exports"] == [384]
-    assert legacy["partials"] == [] and legacy["fa_eagle"] == 400
-    assert legacy["hit"] == 384 and legacy["own_prefix"]
-    assert lookahead["ends"] == [384, 416, 420] and lookahead["exports"] == []
-    assert lookahead["partials"] == [416] and lookahead["own_prefix"]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "0.34.0, disable_lookahead_block_hashes + EAGLE: "
-        "MambaManager._cache_partial_tail_block keeps the export at the block "
-        "boundary 384 and returns, so the prompt checkpoint 400 is never cached"
-    ),
-)
-def test_on_0_34_0_the_prompt_checkpoint_stop_is_published(on_0_34_0: dict) -> None:
-    legacy = on_0_34_0["legacy"]
-    assert 400 in legacy["partials"]
-    assert legacy["hit"] == legacy["fa_eagle"] == 400
