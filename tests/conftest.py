@@ -70,6 +70,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
+# CI builds .venv-triton or fails; elsewhere a machine that cannot skips the kernel tests.
+KERNEL_CHECK_REQUIRED = (
+    os.environ.get("CI") == "true" or os.environ.get("KIT_REQUIRE_KERNEL_CHECK") == "1"
+)
+
+
+@pytest.fixture(scope="session")
+def triton_env() -> Path:
+    """.venv-triton, where vLLM's Triton kernels run (kit/rig/kernel_env.py)."""
+    from kit.rig import kernel_env
+
+    try:
+        return kernel_env.ensure()
+    except kernel_env.KernelEnvError as exc:
+        if KERNEL_CHECK_REQUIRED:
+            pytest.fail(f".venv-triton cannot be built: {exc}")
+        pytest.skip(f".venv-triton cannot be built here: {exc}")
+
+
 @pytest.fixture(scope="session")
 def tree_is_patched() -> bool:
     return carries_the_fix()

@@ -25,14 +25,13 @@ from typing import Any
 
 import pytest
 
-from kit.rig import kernel_check, kernel_env
+from kit.rig import kernel_check
 from kit.rig import kernel_check_triton as triton_side
 from kit.vllm_tree import pins, sdists
 
 pytestmark = [pytest.mark.cpu]
 
 BUNDLE = kernel_check.DEVICE_BUNDLE
-REQUIRED = os.environ.get("CI") == "true" or os.environ.get("KIT_REQUIRE_KERNEL_CHECK") == "1"
 
 
 def _manifest() -> dict[str, Any]:
@@ -173,16 +172,6 @@ def test_make_device_check_runs_the_bundle_on_cuda_or_dry() -> None:
     assert "kernel_check_triton.py --bundle kit/rig/kernel_check_device" in make_n()
     assert "--device cuda --out results/kernel-check-cuda.json" in make_n()
     assert "--dry-run" in make_n("DRY_RUN=1") and "--device cuda" not in make_n("DRY_RUN=1")
-
-
-@pytest.fixture(scope="module")
-def triton_env() -> Path:
-    try:
-        return kernel_env.ensure()
-    except kernel_env.KernelEnvError as exc:
-        if REQUIRED:
-            pytest.fail(f".venv-triton cannot be built: {exc}")
-        pytest.skip(f".venv-triton cannot be built here: {exc}")
 
 
 @pytest.mark.slow

@@ -274,11 +274,8 @@ def _adoptable(home: Path, want: object, must_have: str | None) -> bool:
         return False
     if _legacy_stamp(home) == want:  # from before contents were recorded
         return True
-    try:
-        stamp = json.loads((home / STAMP).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if not isinstance(stamp, dict) or stamp.get("want") != want:
+    stamp = _stamp_of(home, want)
+    if stamp is None:
         return False
     old, now = stamp.get("contents"), package_contents(home)
     # From before the file listing: what it recorded must still hold.
@@ -290,12 +287,18 @@ def _adoptable(home: Path, want: object, must_have: str | None) -> bool:
     )
 
 
-def _current(home: Path, want: object, must_have: str | None) -> bool:
+def _stamp_of(home: Path, want: object) -> dict | None:
+    """``home``'s stamp when it was made for ``want``, else None."""
     try:
         stamp = json.loads((home / STAMP).read_text())
     except (OSError, json.JSONDecodeError):
-        return False
-    if not isinstance(stamp, dict) or stamp.get("want") != want:
+        return None
+    return stamp if isinstance(stamp, dict) and stamp.get("want") == want else None
+
+
+def _current(home: Path, want: object, must_have: str | None) -> bool:
+    stamp = _stamp_of(home, want)
+    if stamp is None:
         return False
     if must_have is not None and not (home / must_have).exists():
         return False
