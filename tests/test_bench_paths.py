@@ -16,6 +16,7 @@ from kit import schema
 from kit.bench import run as bench
 from kit.bench import serve_args, ttft, ttft_stats, turn_cost
 from kit.bench.openai_client import Completion
+from kit.bench.plan import BenchPlanError
 from kit.geometry.geometry_model import REGIMES, Geometry
 from kit.images import orchestrate
 from kit.vllm_tree import mods
@@ -186,22 +187,27 @@ def test_the_cpu_default_takes_the_internal_path(monkeypatch) -> None:
     assert bench.parse_args(["--checkpoints", "internal"]).checkpoints == "internal"
 
 
+def test_an_unknown_path_is_refused_by_the_parser(monkeypatch, capsys) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--checkpoints", "both"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'both'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv,env,message",
     [
-        (["--checkpoints", "both"], {}, "invalid choice: 'both'"),
-        (["--model", "x", "--checkpoints", "internal"], {}, "a --model's path"),
+        (["--model", "x", "--checkpoints", "internal"], {}, "a served model's path"),
         (["--checkpoints", "split"], {ENV: "1"}, f"{ENV} is set in this environment"),
     ],
 )
-def test_bad_checkpoint_choices_are_refused(argv, env, message, monkeypatch, capsys) -> None:
+def test_bad_checkpoint_choices_are_refused(argv, env, message, monkeypatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(BenchPlanError, match=message):
         bench.parse_args(argv)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_a_locked_model_runs_as_split(monkeypatch) -> None:
@@ -216,7 +222,8 @@ def test_the_serve_plan_per_path(path, budget, switch, model_dir, monkeypatch, c
     monkeypatch.delenv(ENV, raising=False)
     args = bench.parse_args(["--checkpoints", path, "--model-dir", str(model_dir)])
     base, patched_extra, env, num_spec, _ = bench.serve_plan(args)
-    assert serve_args.batched_tokens(base) == budget == serve_args.PATH_BUDGET[path]
+    assert base[base.index("--max-num-batched-tokens") + 1] == str(budget)
+    assert budget == serve_args.PATHS[path].budget == args.budget
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", **switch}
     assert num_spec == 1 and "--max-num-batched-tokens" not in patched_extra
     # Both trees get the same environment and budget; only the fix's switches differ.
@@ -233,9 +240,9 @@ def test_the_serve_plan_per_path(path, budget, switch, model_dir, monkeypatch, c
 
 def test_every_bench_prompt_is_one_chunk_on_the_internal_path() -> None:
     longest = bench.longest_prompt(max([900, 1007, 2048, 2159]))
-    assert longest <= serve_args.PATH_BUDGET["internal"]
+    assert longest <= serve_args.PATHS["internal"].budget
     # ... and the split path's budget is the block: no final chunk spans two columns.
-    assert serve_args.PATH_BUDGET["split"] == serve_args.CPU_BLOCK
+    assert serve_args.PATHS["split"].budget == serve_args.CPU_BLOCK
 
 
 def test_the_switch_is_the_mods_opt_in_variable() -> None:
@@ -245,12 +252,14 @@ def test_the_switch_is_the_mods_opt_in_variable() -> None:
 
 
 def test_each_path_names_a_geometry_regime() -> None:
-    for path in serve_args.CHECKPOINT_PATHS:
-        regime = serve_args.PATH_REGIME[path]
-        assert regime in REGIMES
-        assert serve_args.path_of_regime(regime) == path
-        geo = Geometry(2048, 16, 1, serve_args.PATH_BUDGET[path], checkpoints=regime)
-        assert geo.checkpoint_alignment == (1 if path == "internal" else None)
+    for name, path in serve_args.PATHS.items():
+        assert path.name == name and path.regime in REGIMES
+        assert serve_args.path_by_regime(path.regime) is path
+        geo = Geometry(2048, 16, 1, path.budget, checkpoints=path.regime)
+        assert geo.checkpoint_alignment == (1 if name == "internal" else None)
+    assert serve_args.CHECKPOINT_PATHS == tuple(serve_args.PATHS) == ("internal", "split")
+    # Every internal-* regime is the internal path's (the rows say which path ran).
+    assert serve_args.path_by_regime("internal-grid").name == "internal"
 
 
 # --- every row says its path -------------------------------------------------------
@@ -281,7 +290,7 @@ def no_server(monkeypatch) -> None:
 
 @pytest.mark.parametrize("path", serve_args.CHECKPOINT_PATHS)
 def test_every_row_carries_its_path(path: str, no_server) -> None:
-    geo = Geometry(2048, 16, 1, serve_args.PATH_BUDGET[path], serve_args.PATH_REGIME[path])
+    geo = Geometry(2048, 16, 1, serve_args.PATHS[path].budget, serve_args.PATHS[path].regime)
     servers = {tree: _Stub() for tree in ttft.TREES}
     rows = ttft.interleaved(servers, geo, reps=1, shared=[1007], tolerance=0.03)
     kinds = {r["kind"] for r in rows}
@@ -308,29 +317,40 @@ def test_the_bench_schema_is_version_2() -> None:
 
 
 def _plan(target: str = "cpu", checkpoints: str | None = None) -> argparse.Namespace:
-    return argparse.Namespace(target=target, checkpoints=checkpoints)
+    return argparse.Namespace(
+        target=target, checkpoints=checkpoints, reps=3, shared=None, block_reps=2
+    )
 
 
 @pytest.mark.parametrize("path", serve_args.CHECKPOINT_PATHS)
-def test_the_flow_passes_the_path_to_both_servers(path: str) -> None:
+def test_the_flow_passes_the_path_to_both_servers(path: str, monkeypatch) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    plan = orchestrate.images_plan(_plan(checkpoints=path), None)
     for stage in ("unpatched", "patched"):
-        command = orchestrate.server_command(_plan(checkpoints=path), None, stage)
+        command = orchestrate.server_command(plan, stage)
         assert command[command.index("--checkpoints") + 1] == path
         # What the server in the image becomes: the bench's serve plan for that path.
         assert command[:4] == ["python", "-m", "kit.bench.run", "--serve-only"]
-    # The client gets the same arguments (bench_args), so its geometry matches.
-    assert "--checkpoints" in orchestrate.bench_args(_plan(checkpoints=path), None)
+        served = bench.parse_args(command[3:])
+        assert served.path == plan.path and served.budget == plan.budget
 
 
-def test_the_flow_leaves_the_default_to_the_bench() -> None:
-    assert "--checkpoints" not in orchestrate.bench_args(_plan(), None)
+def test_the_flow_takes_the_benchs_default(monkeypatch) -> None:
+    """Left out, the path is the bench's own default (its plan resolves it): internal
+    for the cpu image's tiny model, split for a served model."""
+    monkeypatch.delenv(ENV, raising=False)
+    assert orchestrate.images_plan(_plan(), None).checkpoints == "internal"
+    model = argparse.Namespace(key="tiny")
+    assert orchestrate.images_plan(_plan("gb10"), model).checkpoints == "split"
 
 
 def test_the_flow_refuses_the_internal_path_on_gpu_targets(capsys) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        orchestrate.main(["gb10", "--checkpoints", "internal", "--dry-run"])
-    assert exit_.value.code == 2
-    assert "cpu target only" in capsys.readouterr().err
+    assert orchestrate.main(["gb10", "--checkpoints", "internal", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    # The bench's own refusal (kit.bench.plan.checkpoint_path), word for word.
+    with pytest.raises(BenchPlanError) as refused:
+        bench.parse_args(["--model", "x", "--checkpoints", "internal"])
+    assert err == f"error: {refused.value}\n"
 
 
 def test_the_servers_in_images_get_the_paths_environment(model_dir, monkeypatch) -> None:

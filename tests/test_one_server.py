@@ -19,6 +19,7 @@ import pytest
 from kit import bundle, schema
 from kit.bench import one_server
 from kit.bench import run as bench
+from kit.bench.plan import BenchPlanError
 from kit.bench.serve import free_port, wait_healthy
 from kit.bench.ttft import TREES
 from kit.images import hostcheck, orchestrate
@@ -116,14 +117,18 @@ def test_session_records_carry_their_schema(tmp_path: Path) -> None:
         ),
         (["--one-server", "--merge-sessions", "a", "--out", "x"], "give one of them"),
         (["--merge-sessions", "a"], "needs --out"),
-        (["--one-server", "--block-reps", "0"], "must be 1 or more"),
     ],
 )
-def test_bad_one_server_arguments_are_refused(argv: list[str], words: str, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_:
+def test_bad_one_server_arguments_are_refused(argv: list[str], words: str) -> None:
+    with pytest.raises(BenchPlanError, match=words):
         bench.parse_args(argv)
+
+
+def test_a_block_of_no_repetitions_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--one-server", "--block-reps", "0"])
     assert exit_.value.code == 2
-    assert words in capsys.readouterr().err
+    assert "must be 1 or more" in capsys.readouterr().err
 
 
 # --- a host run with stand-in servers ------------------------------------------------

@@ -51,29 +51,20 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NamedTuple, NoReturn
 
 from kit import bundle
-from kit.bench import one_server, oracle, step_log
+from kit.bench import one_server, step_log
+from kit.bench import plan as bench_plan
 from kit.bench.md_blocks import kernels_line, result_blocks
 from kit.bench.openai_client import MetricsError, RequestError
+from kit.bench.plan import BenchPlan, BenchPlanError
 from kit.bench.serve import Server, ServerError, server_command, server_env, wait_healthy
-from kit.bench.serve_args import (
-    CHECKPOINT_ENV,
-    CHECKPOINT_PATHS,
-    CPU_BLOCK,
-    DEFAULT_CHECKPOINTS,
-    PATH_BUDGET,
-    PATH_ENV,
-    PATH_REGIME,
-    batched_tokens,
-    cpu_serve_args,
-    fix_flags,
-    locked_serve_args,
-)
+from kit.bench.serve_args import CHECKPOINT_ENV, cpu_serve_args, fix_flags, locked_serve_args
 from kit.bench.ttft import (
     PROBE_TOKEN,
     REPLY_TOKENS,
@@ -97,11 +88,10 @@ from kit.bench.ttft_stats import (
     ratio_method,
     summarize,
 )
-from kit.geometry.geometry_model import UNIT, Geometry
-from kit.vllm_tree import mods, pins, trees
+from kit.geometry.geometry_model import Geometry
+from kit.vllm_tree import pins, trees
 from kit.weights import models
 from kit.weights.tiny_model import (
-    ARCHS,
     DIR_NAMES,
     arch_of,
     needs_vision_stand_in,
@@ -199,16 +189,6 @@ def space_problem() -> str | None:
     return None
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
-    return value
-
-
 def longest_prompt(shared: int) -> int:
     """The longest sequence a repetition sends at context length S: the fourth
     conversation turn and its reply."""
@@ -223,247 +203,51 @@ def max_model_len(serve: list[str]) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``kit bench``'s options, each with its help."""
-    # The options first (what a user looks for), the method after them.
-    summary, _, method = (__doc__ or "").partition("\n\n")
-    parser = argparse.ArgumentParser(
-        description=summary,
-        epilog=method,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--reps", type=positive_int, default=10, help="repetitions (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--shared",
-        type=positive_int,
-        nargs="+",
-        default=[900, 1007, 2048, 2159],
-        help="context lengths S (default: %(default)s: inside the first 2048-token "
-        "block, S mod 16 = 4 and 15; block-aligned; beyond it)",
-    )
-    # Named as vLLM names the same settings; the kit's older spellings stay as aliases.
-    parser.add_argument(
-        "--block-size",
-        "--block",
-        dest="block",
-        type=int,
-        default=CPU_BLOCK,
-        help="the hybrid model's physical block in tokens, as vLLM's --block-size "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--prefix-match-unit",
-        "--unit",
-        dest="unit",
-        type=int,
-        default=UNIT,
-        help="vLLM's --prefix-match-unit H, the prefix-cache hit granularity "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--num-speculative-tokens",
-        "--num-spec",
-        dest="num_spec",
-        type=int,
-        default=1,
-        help="MTP draft tokens per step, as vLLM's speculative config names it "
-        "(0: no speculation; default: %(default)s)",
-    )
-    parser.add_argument(
-        "--checkpoints",
-        choices=CHECKPOINT_PATHS,
-        help="how the CPU default's GDN layers materialise a state: internal (default: "
-        f"{CHECKPOINT_ENV}=1 in both servers, step budget {PATH_BUDGET['internal']}) or "
-        f"split (the variable absent, step budget {PATH_BUDGET['split']}); with --model: "
-        "split only (the served model's layers and hardware choose its path)",
-    )
-    parser.add_argument(
-        "--arch",
-        choices=ARCHS,
-        help="the CPU default's tiny model: qwen3_next (default: Qwen3-Next) or "
-        "qwen3_5_moe (the primary model's Qwen3.5/3.6-MoE architecture, served with "
-        "--language-model-only); not with --model",
-    )
-    parser.add_argument(
-        "--out", type=Path, help="the bundle folder (default: results/<date>-cpu-<id>)"
-    )
-    parser.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=900.0,
-        help="seconds a server may take to answer /health (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--print-serve-args", action="store_true", help="print the server arguments as JSON"
-    )
-    parser.add_argument(
-        "--server-url",
-        action="append",
-        default=[],
-        metavar="TREE=URL",
-        help="use running servers (unpatched=URL and patched=URL, e.g. one per container) "
-        "instead of starting them",
-    )
-    parser.add_argument(
-        "--one-server",
-        action="store_true",
-        help="one server at a time: the trees in alternating blocks of repetitions "
-        "(A B B A), for a box that cannot hold two servers of the model",
-    )
-    parser.add_argument(
-        "--block-reps",
-        type=positive_int,
-        default=one_server.DEFAULT_BLOCK_REPS,
-        help="with --one-server: repetitions per block (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--session",
-        metavar="TREE:REPS",
-        help="(the container flow's one-server mode) measure these repetitions on the one "
-        "--server-url TREE=URL and write a session record into --out, no bundle",
-    )
-    parser.add_argument(
-        "--merge-sessions",
-        nargs="+",
-        type=Path,
-        metavar="DIR",
-        help="(the container flow's one-server mode) make the bundle in --out from the "
-        "session records in these folders; starts no server",
-    )
-    parser.add_argument(
-        "--step-log",
-        action="store_true",
-        help="start both servers with vLLM's per-step log and compare the trees' engine "
-        "steps by kind in the bundle (kit/bench/step_log.py; servers started here)",
-    )
-    parser.add_argument(
-        "--record-only",
-        action="store_true",
-        help="record hit and oracle failures in the bundle and exit 0 (default: exit 1)",
-    )
-    parser.add_argument(
-        "--tolerance",
-        type=float,
-        default=oracle.DEFAULT_TOLERANCE,
-        help="oracle: max |log-prob difference| at the first generated position "
-        "(default: %(default)s, four bf16 ulps of the tiny CPU model's logits)",
-    )
-    parser.add_argument(
-        "--serve-only",
-        choices=TREES,
-        help="become this server (the installed vLLM, e.g. inside an image) instead of "
-        "benchmarking; with --host/--port",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="for --serve-only")
-    parser.add_argument("--port", type=int, default=8000, help="for --serve-only")
-    parser.add_argument(
-        "--target",
-        choices=mods.TARGETS,
-        default="cpu",
-        help="whose patched-stage switches the patched server gets (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--model",
-        metavar="KEY",
-        help="serve this models.lock entry (verified offline first) instead of "
-        "the CPU default's tiny model; inside the gb10/strix images",
-    )
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        metavar="DIR",
-        help="the CPU default's tiny model (config and weights) to serve, or, with "
-        "--server-url, the one the servers serve: its weights are hashed into the "
-        "bundle (default: written here)",
-    )
-    parser.add_argument(
-        "--store",
-        type=Path,
-        default=models.DEFAULT_STORE,
-        help="model store for --model (default: %(default)s)",
-    )
-    return parser
+    """``kit bench``'s options, each with its help (``kit.bench.plan.build_parser``)."""
+    return bench_plan.build_parser(__doc__)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    bad = [item for item in args.server_url if "=" not in item]
-    if bad:
-        parser.error(f"--server-url {bad[0]!r}: write TREE=URL, e.g. unpatched=http://host:8000")
-    external = dict(item.split("=", 1) for item in args.server_url)
-    bad = [url for url in external.values() if not url.startswith(("http://", "https://"))]
-    if bad:
-        parser.error(f"--server-url {bad[0]!r}: not an http:// or https:// URL")
-    if args.session:
-        try:
-            args.session = one_server.parse_session(args.session, args.reps)
-        except ValueError as exc:
-            parser.error(str(exc))
-        if set(external) != {args.session[0]} or args.out is None:
-            parser.error(
-                f"--session {args.session[0]}:... measures one running server: give "
-                f"--server-url {args.session[0]}=URL (only that one) and --out"
-            )
-    elif external and set(external) != set(TREES):
-        parser.error("--server-url needs both unpatched=URL and patched=URL")
-    modes = [m for m in ("one_server", "session", "merge_sessions") if getattr(args, m)]
-    if len(modes) > 1 or (args.one_server or args.merge_sessions) and external:
-        parser.error(
-            "--one-server starts its servers itself; --session measures one running server; "
-            "--merge-sessions starts none: give one of them, and --server-url only with "
-            "--session"
-        )
-    if args.merge_sessions and args.out is None:
-        parser.error("--merge-sessions needs --out: the bundle folder to write")
-    if args.step_log and (external or args.session or args.merge_sessions):
-        parser.error(
-            "--step-log reads the logs of the servers this run starts; with --server-url, "
-            "--session or --merge-sessions the servers run elsewhere: start them with "
-            f"{step_log.FLAG} and read their logs there"
-        )
-    args.external = external
-    if args.model and args.arch:
-        parser.error(
-            "--arch chooses the CPU default's tiny model; a --model is served as "
-            "models.lock says: leave --arch out"
-        )
-    args.arch = args.arch or "qwen3_next"
-    if args.model:
-        if args.checkpoints == "internal":
-            parser.error(
-                "--checkpoints internal switches the CPU GDN export of the CPU default; "
-                "a --model's path is its layers' and hardware's: leave it out"
-            )
-        args.checkpoints = "split"
-    elif args.checkpoints is None:
-        args.checkpoints = DEFAULT_CHECKPOINTS
-    if args.checkpoints == "split" and not args.model and CHECKPOINT_ENV in os.environ:
-        parser.error(
-            f"--checkpoints split: {CHECKPOINT_ENV} is set in this environment and the "
-            "servers would inherit it; unset it (--checkpoints chooses the path)"
-        )
-    if args.out is not None and bundle.existing_bundle(args.out):
-        parser.error(
-            f"--out {args.out} already holds a bench run ({bundle.BENCH}, {bundle.RAW} or "
-            f"{bundle.FAILED}); name a new folder or leave --out out for a fresh one"
-        )
-    return args
+def parse_args(argv: list[str] | None) -> BenchPlan:
+    """The plan of a ``kit bench`` command line (``kit.bench.plan.from_argv``, with
+    this module's description in its help)."""
+    return bench_plan.from_argv(argv, __doc__)
 
 
-def serve_plan(args: argparse.Namespace) -> tuple[list[str], list[str], dict, int, dict]:
-    """Server arguments (both trees), the patched tree's extra switches, the server
-    environment, MTP draft tokens, and what the bundle records of the model."""
+class Served(NamedTuple):
+    """What the servers are started with: the arguments both trees get, the patched
+    tree's extra switches, the environment, MTP draft tokens, and what the bundle
+    records of the model."""
+
+    base: list[str]
+    patched_extra: list[str]
+    env: dict[str, str]
+    num_spec: int
+    model_record: dict
+
+
+def serve_plan(plan: BenchPlan) -> Served:
+    """The servers of the plan: a models.lock entry's (``locked_served``) or the CPU
+    default's tiny model (``tiny_served``); with --step-log, vLLM's per-step log."""
+    served = locked_served(plan) if plan.model else tiny_served(plan)
+    if plan.step_log:
+        served = served._replace(base=[*served.base, step_log.FLAG])
+    return served
+
+
+def locked_served(plan: BenchPlan) -> Served:
+    """``--model KEY``: the models.lock entry, verified offline first."""
+    base, num_spec = locked_serve_args(plan.model, plan.store, plan.unit, plan.budget)
+    return Served(base, fix_flags(plan.target), {}, num_spec, {"locked": plan.model})
+
+
+def tiny_served(plan: BenchPlan) -> Served:
+    """The CPU default: the tiny model of ``plan.arch`` (``--model-dir``, or written
+    here), on the plan's checkpoint path (its step budget and environment)."""
     from kit.weights.tiny_model import weights_sha256, write_tiny_model
 
-    patched_extra = fix_flags(args.target)
-    if args.model:
-        base, num_spec = locked_serve_args(args.model, args.store, args.unit)
-        return base, patched_extra, {}, num_spec, {"locked": args.model}
-    arch = args.arch
-    if args.model_dir:
-        model_dir = args.model_dir
+    arch = plan.arch
+    if plan.model_dir:
+        model_dir = plan.model_dir
         if weights_sha256(model_dir) is None:
             raise models.VerifyError(f"{model_dir}: no tiny model weights; run 'make tiny-model'")
         declared = arch_of(model_dir)
@@ -473,76 +257,87 @@ def serve_plan(args: argparse.Namespace) -> tuple[list[str], list[str], dict, in
                 f"not --arch {arch}; pass the --arch of the model there (kit tiny-model "
                 f"--arch {arch} writes one)"
             )
-    elif args.serve_only:  # inside an image the kit's folder is read-only
+    elif plan.serve_only:  # inside an image the kit's folder is read-only
         tmp = Path(tempfile.gettempdir())
         model_dir = write_tiny_model(tmp / DIR_NAMES[arch], weights=True, arch=arch)
     else:
         model_dir = write_tiny_model(ROOT / ".models" / DIR_NAMES[arch], weights=True, arch=arch)
-    path = args.checkpoints
-    base = cpu_serve_args(model_dir, args.block, args.unit, args.num_spec, PATH_BUDGET[path])
+    base = cpu_serve_args(model_dir, plan.block, plan.unit, plan.num_spec, plan.budget)
     base += serve_extra_args(arch)
     record = {
         "tiny": "kit/weights/tiny_model.py",
         "arch": arch,
         "weights_sha256": weights_sha256(model_dir),
     }
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **PATH_ENV[path]}
-    return base, patched_extra, env, args.num_spec, record
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **plan.path.env}
+    return Served(base, fix_flags(plan.target), env, plan.num_spec, record)
+
+
+def check_fits(plan: BenchPlan, served: Served) -> None:
+    """Every repetition's longest sequence within the servers' model length."""
+    limit = max_model_len(served.base)
+    too_long = [s for s in plan.shared if limit and longest_prompt(s) > limit]
+    if too_long:
+        raise BenchPlanError(
+            f"--shared {' '.join(map(str, too_long))}: a repetition at S sends up to "
+            f"S + {longest_prompt(0)} tokens and the model's length is {limit}; "
+            f"use S <= {limit - longest_prompt(0)}"
+        )
 
 
 def start_servers(
     stack: ExitStack,
-    args: argparse.Namespace,
-    base: list[str],
-    patched_extra: list[str],
-    env: dict,
+    plan: BenchPlan,
+    served: Served,
     out: Path,
     pinned: dict[str, trees.Tree] | None = None,
     which: tuple[str, ...] = TREES,
     log_tag: str = "",
     start: bool = True,
+    external: dict[str, str] | None = None,
 ) -> dict[str, Server]:
     """The servers of the trees in ``which`` (default both) up (or, with
     --server-url, reachable); each one's stop is registered before any starts, so a
     failure never leaves the other running. ``start=False``: the records only
-    (merging one-server sessions). ``log_tag`` tells one server session's log from
-    another's.
+    (merging one-server sessions, whose servers' URLs are ``external``, else the
+    plan's). ``log_tag`` tells one server session's log from another's.
 
     A tiny model whose vLLM code needs more than the tree (``tiny_model.serve_env``:
     the torchvision stand-in of Qwen3.5/3.6) gets it in a folder of this run's,
     removed when the run ends."""
+    external = plan.external if external is None else external
     if pinned is None:
-        pinned = {} if args.external else {tree: trees.pinned(tree) for tree in which}
+        pinned = {} if external else {tree: trees.pinned(tree) for tree in which}
     arch_env = {tree: {} for tree in TREES}
-    if pinned and args.arch != "qwen3_next":
+    if pinned and plan.arch not in (None, bench_plan.DEFAULT_ARCH):
         scratch = Path(tempfile.mkdtemp(prefix="kit-bench-"))
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
         for tree, found in pinned.items():
             # The tree's search path first: the value replaces the one the tree sets.
-            arch_env[tree] = serve_env(args.arch, scratch / "vision-stand-in", found.search_path)
+            arch_env[tree] = serve_env(plan.arch, scratch / "vision-stand-in", found.search_path)
     servers = {
         tree: Server(
             tree,
-            base + (patched_extra if tree == "patched" else []),
+            served.base + (served.patched_extra if tree == "patched" else []),
             out / bundle.LOGS / f"server-{tree}{log_tag}.log",
             tree=pinned.get(tree),
             # One compile cache per tree: the two servers start at once, and one
             # tree's compiled artifacts should never be what the other runs.
             env={
-                **env,
+                **served.env,
                 **arch_env[tree],
                 "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm" / tree),
             },
-            startup_timeout=args.startup_timeout,
-            url_override=args.external[tree].rstrip("/") if args.external else None,
+            startup_timeout=plan.startup_timeout,
+            url_override=external[tree].rstrip("/") if external else None,
         )
         for tree in which
     }
     if not start:
         return servers
-    if args.external:
+    if external:
         for tree, server in servers.items():
-            wait_healthy(server.url, args.startup_timeout, name=tree)
+            wait_healthy(server.url, plan.startup_timeout, name=tree)
         return servers
     print(f"starting {' and '.join(which)} (logs in {out / bundle.LOGS})", flush=True)
     for server in servers.values():
@@ -562,9 +357,7 @@ def start_servers(
     return servers
 
 
-def run_record(
-    args: argparse.Namespace, servers: dict[str, Server], tree_records: dict[str, dict]
-) -> dict:
+def run_record(servers: dict[str, Server], tree_records: dict[str, dict]) -> dict:
     """``tree_records``: the trees' mod records as the servers were started from them
     (read before, not after: a mod edited during the run rebuilds a tree on the next
     ``trees.pinned``, and the record must name what was served)."""
@@ -647,10 +440,13 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        plan = parse_args(argv)
+    except BenchPlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # Servers this process starts (or becomes): they compile with torch.
-    serves = not (args.external or args.merge_sessions or args.print_serve_args)
-    if serves:
+    if plan.starts_servers:
         problem = space_problem()
         if problem:
             print(f"error: {problem}", file=sys.stderr)
@@ -660,58 +456,32 @@ def main(argv: list[str] | None = None) -> int:
         # it writes anything (the tiny model under .models, the results folder) until
         # its servers are stopped. With --server-url the servers are someone else's
         # (the container flow runs each client in its own container).
-        if serves and not args.serve_only:
+        if plan.starts_servers and not plan.serve_only:
             try:
                 stack.enter_context(bench_lock())
             except BenchBusy as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-        return _main(args)
+        return _main(plan)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(plan: BenchPlan) -> int:
     try:
-        base, patched_extra, env, num_spec, model_record = serve_plan(args)
-    except (models.LockError, models.VerifyError) as exc:
+        served = serve_plan(plan)
+        check_fits(plan, served)
+    except (models.LockError, models.VerifyError, BenchPlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.step_log:
-        base = [*base, step_log.FLAG]
-    limit = max_model_len(base)
-    too_long = [s for s in args.shared if limit and longest_prompt(s) > limit]
-    if too_long:
-        print(
-            f"error: --shared {' '.join(map(str, too_long))}: a repetition at S sends up to "
-            f"S + {longest_prompt(0)} tokens and the model's length is {limit}; "
-            f"use S <= {limit - longest_prompt(0)}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.print_serve_args:
-        plan = {"args": base, "patched_extra": patched_extra, "env": env}
-        plan |= {"checkpoints": args.checkpoints, "budget": batched_tokens(base)}
-        if not args.model:
-            # Started here, such servers also get the torchvision stand-in on their
-            # PYTHONPATH (kit.weights.tiny_model.serve_env) when this says true.
-            plan |= {"arch": args.arch, "vision_stand_in": needs_vision_stand_in(args.arch)}
-        print(json.dumps(plan))
-        return 0
-    if args.serve_only:
-        cmd = server_command(
-            args.host, args.port, base + (patched_extra if args.serve_only == "patched" else [])
-        )
-        if not args.model and needs_vision_stand_in(args.arch):
-            # The installed vllm (search path empty); a folder of this server's own.
-            scratch = Path(tempfile.mkdtemp(prefix="kit-serve-"))
-            env = {**env, **serve_env(args.arch, scratch / "vision-stand-in")}
-        print("$ " + shlex.join(cmd), flush=True)
-        os.execve(cmd[0], cmd, server_env(env))
-    chosen = args.out is None
-    out = args.out or bundle.new_path(args.model or "cpu")
+    if plan.mode == "print":
+        return print_serve_args(plan, served)
+    if plan.mode == "serve":
+        become_server(plan, served)
+    chosen = plan.out is None
+    out = plan.out or bundle.new_path(plan.model or "cpu")
     out.mkdir(parents=True, exist_ok=True)
     previous = {sig: signal.signal(sig, _interrupt) for sig in EXIT_SIGNAL}
     try:
-        return run(args, out, base, patched_extra, env, num_spec, model_record)
+        return run(plan, out, served)
     except Interrupted as exc:
         _give_up(out, chosen, f"stopped by {exc}; both servers stopped", "interrupted")
         return EXIT_SIGNAL[exc.signum]
@@ -762,134 +532,153 @@ def _give_up(out: Path, chosen: bool, reason: str, status: str, say: bool = True
     return out
 
 
-def check_block(args: argparse.Namespace, geo: Geometry) -> None:
-    if not args.model and geo.block != args.block:
+# -- the run modes (``BenchPlan.mode``) ------------------------------------------------
+
+
+def print_serve_args(plan: BenchPlan, served: Served) -> int:
+    """``--print-serve-args``: the servers' arguments, environment, path and budget."""
+    shown = {"args": served.base, "patched_extra": served.patched_extra, "env": served.env}
+    shown |= {"checkpoints": plan.checkpoints, "budget": plan.budget}
+    if not plan.model:
+        # Started here, such servers also get the torchvision stand-in on their
+        # PYTHONPATH (kit.weights.tiny_model.serve_env) when this says true.
+        shown |= {"arch": plan.arch, "vision_stand_in": needs_vision_stand_in(plan.arch)}
+    print(json.dumps(shown))
+    return 0
+
+
+def become_server(plan: BenchPlan, served: Served) -> NoReturn:
+    """``--serve-only TREE``: exec that tree's server (the installed vLLM)."""
+    extra = served.patched_extra if plan.serve_only == "patched" else []
+    cmd = server_command(plan.host, plan.port, served.base + extra)
+    env = served.env
+    if not plan.model and needs_vision_stand_in(plan.arch):
+        # The installed vllm (search path empty); a folder of this server's own.
+        scratch = Path(tempfile.mkdtemp(prefix="kit-serve-"))
+        env = {**env, **serve_env(plan.arch, scratch / "vision-stand-in")}
+    print("$ " + shlex.join(cmd), flush=True)
+    os.execve(cmd[0], cmd, server_env(env))
+
+
+def check_block(plan: BenchPlan, geo: Geometry) -> None:
+    if not plan.model and geo.block != plan.block:
         raise MeasureError(
-            f"vLLM resolved the block to {geo.block} tokens, not the {args.block} "
+            f"vLLM resolved the block to {geo.block} tokens, not the {plan.block} "
             "asked for (its Mamba page did not fit the attention page); the expected "
             "hits would be wrong. Check --mamba-ssm-cache-dtype."
         )
 
 
+class Measured(NamedTuple):
+    """What a measuring mode hands the report: the rows, the geometry they were
+    checked against, the servers, and how the trees took turns."""
+
+    rows: list[dict]
+    geo: Geometry
+    servers: dict[str, Server]
+    schedule: dict | None = None  # one server at a time (``one_server.schedule_record``)
+    pairing: str | None = None  # the interleaved run's turn-taking (``ttft.interleaved``)
+
+
+Progress = Callable
+
+
 def measure_alone(
-    args: argparse.Namespace,
+    plan: BenchPlan,
+    served: Served,
     server: Server,
     tree: str,
     reps: tuple[int, ...],
-    num_spec: int,
-    budget: int,
-    progress,
+    progress: Progress,
 ) -> tuple[dict, Geometry, list[dict]]:
     """One server's session: the geometry it reports, checked, and its repetitions."""
     reported = reported_geometry(server)
-    geo = geometry_from(reported, num_spec, budget, PATH_REGIME[args.checkpoints])
-    check_block(args, geo)
-    return reported, geo, one_tree(server, tree, geo, reps, args.shared, args.tolerance, progress)
+    geo = geometry_from(reported, served.num_spec, plan.budget, plan.path.regime)
+    check_block(plan, geo)
+    rows = one_tree(server, tree, geo, reps, list(plan.shared), plan.tolerance, progress)
+    return reported, geo, rows
 
 
-def run_sessions(
-    args: argparse.Namespace,
-    out: Path,
-    base: list[str],
-    patched_extra: list[str],
-    env: dict,
-    pinned: dict[str, trees.Tree],
-    plan: list[tuple[str, tuple[int, ...]]],
-    num_spec: int,
-    budget: int,
-    progress,
-) -> tuple[list[dict], Geometry, dict[str, Server]]:
-    """``--one-server``: each session's server started alone, measured, stopped before
-    the next starts (``kit.bench.one_server``)."""
-    records, last = [], {}
-    for index, (tree, reps) in enumerate(plan):
-        print(f"session {index + 1}/{len(plan)}: {tree}, repetitions {list(reps)}", flush=True)
-        with ExitStack() as stack:
-            server = start_servers(
-                stack, args, base, patched_extra, env, out, pinned, (tree,), f"-{index + 1}"
-            )[tree]
-            reported, geo, rows = measure_alone(
-                args, server, tree, reps, num_spec, budget, progress
-            )
-        records.append(one_server.record(tree, reps, args.shared, reported, rows, {}))
-        last[tree] = server
-    rows, _ = one_server.merge(records, args.reps, args.shared)
-    return rows, geo, last
-
-
-def measure_session(
-    args: argparse.Namespace,
-    out: Path,
-    base: list[str],
-    patched_extra: list[str],
-    env: dict,
-    num_spec: int,
-    budget: int,
-    progress,
-) -> int:
+def measure_session(plan: BenchPlan, out: Path, served: Served, progress: Progress) -> int:
     """``--session TREE:REPS``: one running server, these repetitions, a session record."""
-    tree, reps = args.session
+    tree, reps = plan.session
     with ExitStack() as stack:
-        server = start_servers(stack, args, base, patched_extra, env, out, {}, (tree,))[tree]
-        reported, _, rows = measure_alone(args, server, tree, reps, num_spec, budget, progress)
-    path = one_server.write(
-        out,
-        one_server.record(
-            tree, reps, args.shared, reported, rows, {"url": server.url, "args": server.args}
-        ),
+        server = start_servers(stack, plan, served, out, {}, (tree,))[tree]
+        reported, _, rows = measure_alone(plan, served, server, tree, reps, progress)
+    record = one_server.record(
+        tree, reps, list(plan.shared), reported, rows, {"url": server.url, "args": server.args}
     )
-    print(f"session record: {path}")
+    print(f"session record: {one_server.write(out, record)}")
     return 0
 
 
-def run(
-    args: argparse.Namespace,
-    out: Path,
-    base: list[str],
-    patched_extra: list[str],
-    env: dict,
-    num_spec: int,
-    model_record: dict,
-) -> int:
+def merge_sessions(
+    plan: BenchPlan, out: Path, served: Served, pinned: dict, progress: Progress
+) -> Measured:
+    """``--merge-sessions DIR...``: the rows of the session records; no server."""
+    records = one_server.read(list(plan.merge_sessions))
+    rows, reported = one_server.merge(records, plan.reps, list(plan.shared))
+    geo = geometry_from(reported, served.num_spec, plan.budget, plan.path.regime)
+    urls = {r["tree"]: r["server"]["url"] for r in records}
+    with ExitStack() as stack:
+        servers = start_servers(stack, plan, served, out, {}, start=False, external=urls)
+    schedule = [(r["tree"], tuple(r["reps"])) for r in records]
+    return Measured(rows, geo, servers, one_server.schedule_record(plan.block_reps, schedule))
+
+
+def run_sessions(
+    plan: BenchPlan, out: Path, served: Served, pinned: dict, progress: Progress
+) -> Measured:
+    """``--one-server``: each session's server started alone, measured, stopped before
+    the next starts (``kit.bench.one_server``)."""
+    schedule = one_server.sessions(plan.reps, plan.block_reps)
+    records, last = [], {}
+    for index, (tree, reps) in enumerate(schedule, 1):
+        print(f"session {index}/{len(schedule)}: {tree}, repetitions {list(reps)}", flush=True)
+        with ExitStack() as stack:
+            tag = f"-{index}"
+            started = start_servers(stack, plan, served, out, pinned, (tree,), tag)
+            server = started[tree]
+            reported, geo, rows = measure_alone(plan, served, server, tree, reps, progress)
+        records.append(one_server.record(tree, reps, list(plan.shared), reported, rows, {}))
+        last[tree] = server
+    rows, _ = one_server.merge(records, plan.reps, list(plan.shared))
+    return Measured(rows, geo, last, one_server.schedule_record(plan.block_reps, schedule))
+
+
+def run_interleaved(
+    plan: BenchPlan, out: Path, served: Served, pinned: dict, progress: Progress
+) -> Measured:
+    """Both servers at once (started here, or reached by --server-url), the trees
+    taking turns (``ttft.interleaved``)."""
+    with ExitStack() as stack:
+        servers = start_servers(stack, plan, served, out, pinned)
+        geo = served_geometry(servers, served.num_spec, plan.budget, plan.path.regime)
+        check_block(plan, geo)
+        pairing = "request" if pausable(servers) else "repetition"
+        rows = interleaved(servers, geo, plan.reps, list(plan.shared), plan.tolerance, progress)
+    return Measured(rows, geo, servers, pairing=pairing)
+
+
+# The modes that make a bundle, by ``BenchPlan.mode``.
+MEASURES = {"merge": merge_sessions, "one-server": run_sessions, "interleaved": run_interleaved}
+
+
+def run(plan: BenchPlan, out: Path, served: Served) -> int:
     from tqdm import tqdm
 
     from kit.weights.tiny_model import write_tiny_model
 
-    if not args.model:  # the config; the weights stay out
-        write_tiny_model(out / DIR_NAMES[args.arch], arch=args.arch)
-    budget = batched_tokens(base)
-    regime = PATH_REGIME[args.checkpoints]
-    external = args.external or args.merge_sessions
+    if not plan.model:  # the config; the weights stay out
+        write_tiny_model(out / DIR_NAMES[plan.arch], arch=plan.arch)
+    progress = lambda work: tqdm(work, desc="repetitions x geometries", unit="pair")  # noqa: E731
+    if plan.mode == "session":
+        return measure_session(plan, out, served, progress)
+    external = plan.servers or plan.merge_sessions
     pinned = {} if external else {tree: trees.pinned(tree) for tree in TREES}
     tree_records = {tree: found.mods_record() for tree, found in pinned.items()}
-    progress = lambda work: tqdm(work, desc="repetitions x geometries", unit="pair")  # noqa: E731
-    schedule = None
-    pairing = None  # the interleaved run's turn-taking (``ttft.interleaved``)
-    if args.session:
-        return measure_session(args, out, base, patched_extra, env, num_spec, budget, progress)
-    if args.merge_sessions:
-        records = one_server.read(args.merge_sessions)
-        rows, reported = one_server.merge(records, args.reps, args.shared)
-        geo = geometry_from(reported, num_spec, budget, regime)
-        args.external = {r["tree"]: r["server"]["url"] for r in records}
-        with ExitStack() as stack:
-            servers = start_servers(stack, args, base, patched_extra, env, out, {}, start=False)
-        schedule = one_server.schedule_record(
-            args.block_reps, [(r["tree"], tuple(r["reps"])) for r in records]
-        )
-    elif args.one_server:
-        plan = one_server.sessions(args.reps, args.block_reps)
-        rows, geo, servers = run_sessions(
-            args, out, base, patched_extra, env, pinned, plan, num_spec, budget, progress
-        )
-        schedule = one_server.schedule_record(args.block_reps, plan)
-    else:
-        with ExitStack() as stack:
-            servers = start_servers(stack, args, base, patched_extra, env, out, pinned)
-            geo = served_geometry(servers, num_spec, budget, regime)
-            check_block(args, geo)
-            pairing = "request" if pausable(servers) else "repetition"
-            rows = interleaved(servers, geo, args.reps, args.shared, args.tolerance, progress)
+    measured = MEASURES[plan.mode](plan, out, served, pinned, progress)
+    rows, geo, servers = measured.rows, measured.geo, measured.servers
     summary = summarize(rows)
     pauses = host_pauses(rows)
     report = {
@@ -901,38 +690,38 @@ def run(
             "conversation": f"4 turns, {REPLY_TOKENS}-token replies, {TURN_LEN}-token user turns",
         },
         "geometry": dataclasses.asdict(geo),
-        "path": args.checkpoints,
+        "path": plan.checkpoints,
         "checkpoints": {
-            "path": args.checkpoints,
+            "path": plan.checkpoints,
             "regime": geo.checkpoints,
-            "budget": budget,
+            "budget": plan.budget,
             # The servers' checkpoint switch (from --server-url: what the servers
             # were told by the orchestrator, which passes the same --checkpoints).
-            "env": {k: v for k, v in env.items() if k == CHECKPOINT_ENV},
+            "env": {k: v for k, v in served.env.items() if k == CHECKPOINT_ENV},
         },
-        "model": model_record,
-        "reps": args.reps,
-        "shared": args.shared,
+        "model": served.model_record,
+        "reps": plan.reps,
+        "shared": list(plan.shared),
         "summary": summary,
         "pooled_ratios": pooled_ratios(rows),
         "ratio_method": ratio_method(),
         "host_pauses": pauses,
         "pooled_ratios_unpaused": pooled_ratios(rows, drop_paused=True) if pauses else None,
         "pooled_ratios_engine_prefill": engine_pooled(rows),
-        "oracle": oracle_summary(rows, args.tolerance),
+        "oracle": oracle_summary(rows, plan.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
-        "run": run_record(args, servers, tree_records),
+        "run": run_record(servers, tree_records),
         # Every server this run started logs here (one-server runs: one per session).
         "engine_steps": step_log.from_logs(
             {tree: sorted((out / bundle.LOGS).glob(f"server-{tree}*.log")) for tree in TREES}
         )
-        if args.step_log
+        if plan.step_log
         else None,
     }
-    if schedule is not None:
-        report["one_server"] = schedule
-    if pairing is not None:
-        report["pairing"] = pairing
+    if measured.schedule is not None:
+        report["one_server"] = measured.schedule
+    if measured.pairing is not None:
+        report["pairing"] = measured.pairing
     # The environment that ran the servers: started here, this one; in images,
     # the client's (the same image as the patched server).
     report["run"]["environment"] = bundle.record_environment(out)
@@ -943,7 +732,7 @@ def run(
     problems = report["failures"]
     for line in problems:
         print(line, file=sys.stderr)
-    if problems and not args.record_only:
+    if problems and not plan.record_only:
         print(f"FAILED: {len(problems)} problem(s) above; the bundle records them", file=sys.stderr)
         return 1
     return 0

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from kit.vllm_tree import mods
 from kit.weights import models
@@ -37,19 +40,38 @@ SERVED_NAME = "kit-model"
 # "split": the scheduler ends a prefill chunk there (the variable absent, the
 # 2048-token budget: with 2048-token blocks no final chunk spans two block
 # columns, so the export is never reached).
-CHECKPOINT_PATHS = ("internal", "split")
-DEFAULT_CHECKPOINTS = "internal"
 CHECKPOINT_ENV = "VLLM_CPU_GDN_PREFILL_CHECKPOINT"  # the mod's opt_in_env
 INTERNAL_BATCHED_TOKENS = 8192
-PATH_BUDGET = {"internal": INTERNAL_BATCHED_TOKENS, "split": CPU_BATCHED_TOKENS}
-PATH_ENV = {"internal": {CHECKPOINT_ENV: "1"}, "split": {}}
-# Geometry.checkpoints (kit/geometry/geometry_model.py REGIMES) of each path.
-PATH_REGIME = {"internal": "internal-1", "split": "split"}
 
 
-def path_of_regime(regime: str) -> str:
-    """The bench's name for a geometry's checkpoint regime: "split" or "internal"."""
-    return "split" if regime == "split" else "internal"
+@dataclass(frozen=True)
+class CheckpointPath:
+    """One checkpoint path of the CPU default: its name (``--checkpoints``), the
+    servers' step budget (``--max-num-batched-tokens``), what it adds to the servers'
+    environment, and its geometry regime (``Geometry.checkpoints``,
+    kit/geometry/geometry_model.py REGIMES)."""
+
+    name: str
+    budget: int
+    env: Mapping[str, str] = field(hash=False)
+    regime: str
+
+
+# The two paths, by name.
+PATHS: dict[str, CheckpointPath] = {
+    "internal": CheckpointPath(
+        "internal", INTERNAL_BATCHED_TOKENS, MappingProxyType({CHECKPOINT_ENV: "1"}), "internal-1"
+    ),
+    "split": CheckpointPath("split", CPU_BATCHED_TOKENS, MappingProxyType({}), "split"),
+}
+CHECKPOINT_PATHS = tuple(PATHS)
+DEFAULT_CHECKPOINTS = "internal"
+
+
+def path_by_regime(regime: str) -> CheckpointPath:
+    """The path whose servers ran a geometry's checkpoint regime: split, or internal
+    for the internal-* regimes."""
+    return PATHS["split" if regime == "split" else "internal"]
 
 
 def common_serve_args(unit: int, budget: int) -> list[str]:
@@ -77,7 +99,7 @@ def cpu_serve_args(
     model_dir: Path, block: int, unit: int, num_spec: int, budget: int = CPU_BATCHED_TOKENS
 ) -> list[str]:
     """The CPU default: the tiny random-weight model, a large block so prefill dominates;
-    ``budget``: the step budget of the checkpoint path (``PATH_BUDGET``)."""
+    ``budget``: the step budget of the checkpoint path (``CheckpointPath.budget``)."""
     args = [
         "--model",
         str(model_dir),
@@ -101,12 +123,9 @@ def cpu_serve_args(
     return args
 
 
-def batched_tokens(serve: list[str]) -> int:
-    """The step budget a server plan sets (``--max-num-batched-tokens``)."""
-    return int(serve[serve.index("--max-num-batched-tokens") + 1])
-
-
-def locked_serve_args(key: str, store: Path, unit: int) -> tuple[list[str], int]:
+def locked_serve_args(
+    key: str, store: Path, unit: int, budget: int = LOCKED_BATCHED_TOKENS
+) -> tuple[list[str], int]:
     """A models.lock entry, verified offline first; returns its args and MTP draft count.
 
     vLLM picks the hybrid block size itself; the bench reads it back from
@@ -124,7 +143,7 @@ def locked_serve_args(key: str, store: Path, unit: int) -> tuple[list[str], int]
         "--model",
         str(models.snapshot(store, entry)),
         *serve,
-        *common_serve_args(unit, LOCKED_BATCHED_TOKENS),
+        *common_serve_args(unit, budget),
     ], num_spec
 
 

@@ -23,7 +23,7 @@ from kit.bench.openai_client import (
     reset_prefix_cache,
 )
 from kit.bench.serve import Server
-from kit.bench.serve_args import SERVED_NAME, path_of_regime
+from kit.bench.serve_args import SERVED_NAME, path_by_regime
 from kit.geometry.geometry_model import Case, Geometry, expected, prompt_checkpoint
 from kit.vllm_tree.trees import TREE_NAMES as TREES
 
@@ -158,7 +158,7 @@ def conversation_requests(
 def tag_path(rows: list[dict], geo: Geometry) -> list[dict]:
     """Every row says which checkpoint path its server ran ("internal" or "split")."""
     for row in rows:
-        row["path"] = path_of_regime(geo.checkpoints)
+        row["path"] = path_by_regime(geo.checkpoints).name
     return rows
 
 

@@ -102,7 +102,7 @@ def _engine_kwargs(path: str) -> dict[str, Any]:
         dtype="bfloat16",
         max_model_len=8192,
         block_size=serve_args.CPU_BLOCK,
-        max_num_batched_tokens=serve_args.PATH_BUDGET[path],
+        max_num_batched_tokens=serve_args.PATHS[path].budget,
         mamba_ssm_cache_dtype=serve_args.CPU_SSM_CACHE_DTYPE,
         enable_prefix_caching=True,
         mamba_cache_mode="align",
@@ -224,7 +224,7 @@ def tree_env(tree: str, path: str, base: dict[str, str] | None = None) -> dict[s
     the path's checkpoint switch (set for internal, removed for split)."""
     env = trees.pinned(tree).env(base, VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm" / tree))
     env.pop(serve_args.CHECKPOINT_ENV, None)
-    return {**env, **serve_args.PATH_ENV[path]}
+    return {**env, **serve_args.PATHS[path].env}
 
 
 def _run_tree(
@@ -313,8 +313,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=serve_args.CHECKPOINT_PATHS,
         default=serve_args.DEFAULT_CHECKPOINTS,
         help=f"internal: {serve_args.CHECKPOINT_ENV}=1, step budget "
-        f"{serve_args.PATH_BUDGET['internal']}; split: the variable absent, step budget "
-        f"{serve_args.PATH_BUDGET['split']} (default: %(default)s)",
+        f"{serve_args.PATHS['internal'].budget}; split: the variable absent, step budget "
+        f"{serve_args.PATHS['split'].budget} (default: %(default)s)",
     )
     parser.add_argument(
         "--one-process",
@@ -336,8 +336,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> dict:
             "path": args.checkpoints,
             # one-process: "unpatched" rows are the patched tree with the fix off.
             "mode": "one-process" if args.one_process else "process-per-tree",
-            "budget": serve_args.PATH_BUDGET[args.checkpoints],
-            "env": serve_args.PATH_ENV[args.checkpoints],
+            "budget": serve_args.PATHS[args.checkpoints].budget,
+            "env": dict(serve_args.PATHS[args.checkpoints].env),
             # one-process: one round of both rounds' repetitions.
             "rounds": 1 if args.one_process else 2,
             "reps_per_round": 2 * args.reps if args.one_process else args.reps,
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = result["summary"]
 
     body, headers = table(summary)
-    budget = serve_args.PATH_BUDGET[args.checkpoints]
+    budget = serve_args.PATHS[args.checkpoints].budget
     print(f"checkpoint path: {args.checkpoints} (step budget {budget})")
     if args.one_process:
         print("one process: u = the patched tree with the fix off, p = with it on")

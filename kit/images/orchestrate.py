@@ -35,6 +35,16 @@ from pathlib import Path
 
 from kit import bundle, schema
 from kit.bench import one_server, serve_args
+from kit.bench.plan import (
+    BenchPlan,
+    BenchPlanError,
+    ClientRole,
+    MergeRole,
+    ServerRole,
+    SessionRole,
+    checkpoint_path,
+    child_argv,
+)
 from kit.images import build as images
 from kit.images import buildah_build, hostcheck
 from kit.images.containers import (
@@ -311,22 +321,31 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
 # 5. the TTFT comparison ----------------------------------------------------------
 
 
-def bench_args(plan: argparse.Namespace, model: models.Entry | None) -> list[str]:
-    """What both servers' ``kit.bench.run --serve-only`` and the client get alike: the
-    target, the model, and the checkpoint path (the servers' environment and step
-    budget follow from it, the client's expected hits too)."""
-    args = ["--target", plan.target]
-    if getattr(plan, "checkpoints", None):
-        args += ["--checkpoints", plan.checkpoints]
+def images_plan(plan: argparse.Namespace, model: models.Entry | None) -> BenchPlan:
+    """The bench the images run (``kit.bench.plan``), whose children are both servers'
+    ``kit.bench.run --serve-only`` and the clients: the target, the model (mounted at
+    IN_IMAGE_MODELS, or the tiny one at IN_IMAGE_TINY), the checkpoint path (the
+    servers' environment and step budget follow from it, the client's expected hits
+    too), the repetitions and context lengths. The one-server schedule is this
+    flow's: each of its sessions is a server and a client."""
+    shared = {"shared": tuple(plan.shared)} if plan.shared else {}
     if model is not None:
-        return args + ["--model", model.key, "--store", IN_IMAGE_MODELS]
-    return args + ["--model-dir", IN_IMAGE_TINY]
+        where = {"model": model.key, "store": Path(IN_IMAGE_MODELS)}
+    else:
+        where = {"model_dir": Path(IN_IMAGE_TINY)}
+    return BenchPlan(
+        reps=plan.reps,
+        block_reps=plan.block_reps,
+        target=plan.target,
+        checkpoints=getattr(plan, "checkpoints", None),
+        **shared,
+        **where,
+    )
 
 
-def server_command(plan: argparse.Namespace, model: models.Entry | None, stage: str) -> list[str]:
-    command = ["python", "-m", "kit.bench.run", "--serve-only", stage]
-    command += ["--host", "0.0.0.0", "--port", str(PORTS[stage])]
-    return command + bench_args(plan, model)
+def server_command(bench: BenchPlan, stage: str) -> list[str]:
+    """The ``stage`` image's server: ``kit.bench.run --serve-only`` on its port."""
+    return child_argv(bench, ServerRole(stage, "0.0.0.0", PORTS[stage]))
 
 
 def compile_cache(target: str, image_id: str) -> Path:
@@ -378,8 +397,9 @@ def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
         return code, {"commands": commands}
     with engine.network() as net:
         servers = {}
+        bench = images_plan(plan, model)
         for stage in STAGES:
-            command = server_command(plan, model, stage)
+            command = server_command(bench, stage)
             name = f"{net.name}-{stage}"
             commands[f"server-{stage}"] = command
             cache = compile_cache(plan.target, found[stage]["id"])
@@ -394,14 +414,11 @@ def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
             # One after the other: a server that sizes its memory while the other
             # loads counts that load as used (unified memory on GB10 and Strix).
             wait_ready(servers[stage], stage)
-        urls = [
-            f"{stage}=http://{net.address(f'{net.name}-{stage}')}:{PORTS[stage]}"
+        urls = tuple(
+            (stage, f"http://{net.address(f'{net.name}-{stage}')}:{PORTS[stage]}")
             for stage in STAGES
-        ]
-        client = ["python", "-m", "kit.bench.run", "--out", IN_IMAGE_OUT, "--reps", str(plan.reps)]
-        client += [arg for url in urls for arg in ("--server-url", url)]
-        client += ["--shared", *map(str, plan.shared)] if plan.shared else []
-        client += bench_args(plan, model)
+        )
+        client = child_argv(bench, ClientRole(urls, Path(IN_IMAGE_OUT)))
         commands["client"] = client
         log("TTFT comparison: both servers and the client on an isolated network")
         box = engine.start(
@@ -439,16 +456,17 @@ def run_bench_one_server(
     spec = RUN_SPECS[plan.target]
     logs = out / bundle.LOGS
     out_mount = Mount(str(out), IN_IMAGE_OUT, writable=True)
+    bench = images_plan(plan, model)
     folders = []
     with engine.network() as net:
         for index, (stage, reps) in enumerate(one_server.sessions(plan.reps, plan.block_reps), 1):
             name = f"{net.name}-{stage}-{index}"
             log(f"session {index}: the {stage} server alone, repetitions {list(reps)}")
             cache = compile_cache(plan.target, found[stage]["id"])
-            commands[f"server-{stage}"] = server_command(plan, model, stage)
+            commands[f"server-{stage}"] = server_command(bench, stage)
             server = engine.start(
                 found[stage]["ref"],
-                server_command(plan, model, stage),
+                commands[f"server-{stage}"],
                 with_compile_cache(spec),
                 name,
                 (*mounts, Mount(str(cache), IN_IMAGE_CACHE, writable=True)),
@@ -459,7 +477,7 @@ def run_bench_one_server(
             try:
                 wait_ready(server, stage)
                 url = f"http://{net.address(name)}:{PORTS[stage]}"
-                client = session_client(plan, model, stage, reps, url, folder)
+                client = child_argv(bench, SessionRole(stage, reps, url, Path(folder)))
                 commands[f"client-session-{index}"] = client
                 box = engine.start(
                     found["patched"]["ref"],
@@ -479,7 +497,9 @@ def run_bench_one_server(
             if code != 0:
                 return code
         log("one-server sessions done: the bundle from their records")
-        commands["client"] = merge_client(plan, model, folders)
+        commands["client"] = child_argv(
+            bench, MergeRole(tuple(map(Path, folders)), Path(IN_IMAGE_OUT))
+        )
         box = engine.start(
             found["patched"]["ref"],
             commands["client"],
@@ -696,7 +716,8 @@ def dry_run(plan: argparse.Namespace) -> int:
         docker = ["docker", "run", "-d", "--name", f"kit-{stage}", "--network", "kit-net"]
         docker += [f for f in with_compile_cache(spec).cli_flags() if f != "--network=none"]
         docker += [a for v in volumes for a in ("-v", v)]
-        print("+", shlex.join([*docker, ref, *server_command(plan, model, stage)]), flush=True)
+        command = server_command(images_plan(plan, model), stage)
+        print("+", shlex.join([*docker, ref, *command]), flush=True)
         print(f"  (wait until its log says '{READY_LINE}' before the next)", flush=True)
     return 0
 
@@ -708,6 +729,7 @@ def print_one_server_plan(plan: argparse.Namespace, model, spec: RunSpec) -> Non
         f"one server at a time: {len(sessions)} sessions over {plan.reps} repetitions in "
         f"blocks of {plan.block_reps} (A B B A)"
     )
+    bench = images_plan(plan, model)
     folders = []
     client_ref = images.image_tag(plan.target, "patched", plan.vllm, plan.arch)
     volumes = [f"{plan.store}:{IN_IMAGE_MODELS}:ro"] if model else []
@@ -719,37 +741,23 @@ def print_one_server_plan(plan: argparse.Namespace, model, spec: RunSpec) -> Non
         docker += [f for f in with_compile_cache(spec).cli_flags() if f != "--network=none"]
         cache = f"{COMPILE_CACHES}/{plan.target}-<image id>:{IN_IMAGE_CACHE}"
         docker += [a for v in (*volumes, cache) for a in ("-v", v)]
-        print("+", shlex.join([*docker, ref, *server_command(plan, model, stage)]), flush=True)
+        print("+", shlex.join([*docker, ref, *server_command(bench, stage)]), flush=True)
         print(f"  (wait until its log says '{READY_LINE}')", flush=True)
         folder = session_folder(index, stage)
         folders.append(folder)
-        client = session_client(plan, model, stage, reps, f"http://{name}:{PORTS[stage]}", folder)
+        url = f"http://{name}:{PORTS[stage]}"
+        client = child_argv(bench, SessionRole(stage, reps, url, Path(folder)))
         run = ["docker", "run", "--rm", "--network", "kit-net"]
         run += [a for v in (*volumes, out) for a in ("-v", v)]
         print("+", shlex.join([*run, client_ref, *client]))
         print(f"+ docker rm -f {name}", flush=True)
     merge = ["docker", "run", "--rm", *(a for v in (*volumes, out) for a in ("-v", v))]
-    print("+", shlex.join([*merge, client_ref, *merge_client(plan, model, folders)]))
+    client = child_argv(bench, MergeRole(tuple(map(Path, folders)), Path(IN_IMAGE_OUT)))
+    print("+", shlex.join([*merge, client_ref, *client]))
 
 
 def session_folder(index: int, stage: str) -> str:
     return f"{IN_IMAGE_OUT}/sessions/{index:02d}-{stage}"
-
-
-def session_client(
-    plan: argparse.Namespace, model, stage: str, reps: tuple[int, ...], url: str, folder: str
-) -> list[str]:
-    client = ["python", "-m", "kit.bench.run", "--out", folder, "--reps", str(plan.reps)]
-    client += ["--server-url", f"{stage}={url}", "--session", f"{stage}:{','.join(map(str, reps))}"]
-    client += ["--shared", *map(str, plan.shared)] if plan.shared else []
-    return client + bench_args(plan, model)
-
-
-def merge_client(plan: argparse.Namespace, model, folders: list[str]) -> list[str]:
-    client = ["python", "-m", "kit.bench.run", "--out", IN_IMAGE_OUT, "--reps", str(plan.reps)]
-    client += ["--block-reps", str(plan.block_reps), "--merge-sessions", *folders]
-    client += ["--shared", *map(str, plan.shared)] if plan.shared else []
-    return client + bench_args(plan, model)
 
 
 def attach_image_records(out: Path, records: dict) -> None:
@@ -854,11 +862,14 @@ def main(argv: list[str] | None = None) -> int:
     plan = parser.parse_args(argv)
     if plan.block_reps < 1 or plan.reps < 1:
         parser.error("--reps and --block-reps must be 1 or more")
-    if plan.checkpoints == "internal" and plan.target != "cpu":
-        parser.error(
-            "--checkpoints internal switches the CPU GDN export: cpu target only "
-            "(a GPU model's path is its layers' and hardware's)"
-        )
+    try:
+        # The in-image bench's plan, checked before anything runs: gb10 and strix
+        # serve a models.lock entry (resolved later; no other check depends on it).
+        checkpoint_path(plan.checkpoints, served_model=plan.target != "cpu")
+        images_plan(plan, None)
+    except BenchPlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     plan.argv = list(argv if argv is not None else sys.argv[1:])
     plan.store = plan.store.resolve()  # container mounts need absolute paths
     plan.out = plan.out.resolve() if plan.out else None
@@ -869,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         out = run(plan)
     except (
         PlanError,
+        BenchPlanError,
         EngineUnavailable,
         mods.ModError,
         pins.PinError,
