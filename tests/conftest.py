@@ -29,11 +29,16 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def _select_tree():
-    from kit.vllm_tree import trees
+    from kit.vllm_tree import releases
 
     try:
-        tree = trees.select()
+        tree = releases.select()
         tree.activate()
+        if tree.extra_env:
+            # A later release's tree (KIT_TREE=<release>/<stage>): its platform and
+            # the plugin that lets its scheduler run without triton-cpu.
+            os.environ.update(tree.extra_env)
+            import kit.vllm_tree.release_plugin  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - reported at collection, not hidden
         sys.stderr.write(f"kit: cannot prepare the vLLM tree under test: {exc}\n")
         return None

@@ -274,13 +274,15 @@ def fix_exports(
     """The fix's states the layer exports inside the chunk ``[start, end)``, each
     into a block of its own: no chunk end, no engine step.
 
-    0.32.0's fix only (``fix-eagle-fine-prefix``; its port to lookahead hashes
-    declines the layer's export instead), where the layer takes internal
-    checkpoints, on its grid from the chunk start; never the prompt checkpoint,
-    which the layer exports or the scheduler stops at anyway.
+    Where the layer takes internal checkpoints and writes extra states per row
+    (``layer_extra_exports``: 0.32.0's CPU GDN, 0.34.0's FlashInfer GDN with
+    ``fix-eagle-fine-prefix-exports``; elsewhere the fix declines the layer's
+    export instead), on its grid from the chunk start; never the prompt
+    checkpoint, which the layer exports or the scheduler stops at anyway.
+    ``lookahead`` only moves the positions (``cp``).
     """
     align = case.geometry.checkpoint_alignment
-    if align is None or lookahead or not case.geometry.layer_extra_exports:
+    if align is None or not case.geometry.layer_extra_exports:
         return ()
     return tuple(
         sorted(

@@ -166,6 +166,9 @@ def verdicts(unpatched: list[dict], patched: list[dict]) -> list[dict]:
                 "kept": kept,
                 "gain": gain,
                 "chunk_ends_u_p": [len(base["turn_chunk_ends"]), len(row["turn_chunk_ends"])],
+                # Engine steps the fix adds to the turn: 0 where the layer exports
+                # its states (internal regimes with extra exports).
+                "extra_steps": max(0, len(row["turn_chunk_ends"]) - len(base["turn_chunk_ends"])),
                 "exports_u_p": [len(base["turn_exports"]), len(row["turn_exports"])],
                 "sibling_hit_u_p": [base["sibling_hit"], row["sibling_hit"]],
                 "verdict": "; ".join(_problems(base, row, kept)) or "ok",

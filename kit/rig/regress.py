@@ -52,6 +52,14 @@ def measure(
             "fa_partials": rig.partial_entries_of(a.request_id, 0),
             "mamba_partials": rig.partial_entries_of(a.request_id, 1),
             "hash_lookahead": getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0),
+            # Whether the layer took the fix's states as exports (else chunk ends).
+            "layer_extra_exports": bool(
+                getattr(
+                    rig.kv_cache_config.kv_cache_groups[1].kv_cache_spec,
+                    "prefill_checkpoint_extra_exports",
+                    False,
+                )
+            ),
         }
         geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
     return {

@@ -142,13 +142,28 @@ def build_vllm_config(
     )
 
 
+def tree_writes_extra_exports() -> bool:
+    """Whether this tree's checkpoint builder hands a layer the fix's extra states
+    (0.32.0 patched; 0.34.0 patched through ``fix-eagle-fine-prefix-exports``)."""
+    from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointMetadata
+
+    return "extra_exports" in {f.name for f in dataclasses.fields(MambaPrefillCheckpointMetadata)}
+
+
 def extra_exports(geo: Geometry) -> dict[str, bool]:
     """The spec field of a layer that writes more states per row than the prompt
-    checkpoint (``cpu-gdn-prefill-checkpoint``; trees without it lack the field)."""
+    checkpoint (``cpu-gdn-prefill-checkpoint``, FlashInfer GDN with
+    ``fix-eagle-fine-prefix-exports``; trees without it lack the field). Declared
+    only where the tree's builder writes them: a scheduler that planned exports
+    nobody writes would key nothing (publish after write) and lose the states."""
     field_name = "prefill_checkpoint_extra_exports"
     if field_name not in {f.name for f in dataclasses.fields(MambaSpec)}:
         return {}
-    return {field_name: geo.checkpoint_alignment is not None and geo.layer_extra_exports}
+    return {
+        field_name: geo.checkpoint_alignment is not None
+        and geo.layer_extra_exports
+        and tree_writes_extra_exports()
+    }
 
 
 def kv_cache_config(geo: Geometry, num_blocks: int) -> KVCacheConfig:
@@ -254,6 +269,9 @@ class CheckpointWriter:
             query_start_loc_cpu=loc,
             query_start_loc=loc,
             block_table_tensor=table,
+            # A declared field of CommonAttentionMetadata where the tree exports
+            # the fix's states (0.34.0); read with getattr elsewhere (0.32.0).
+            mamba_checkpoint_exports=None,
         )
         if step_exports:
             by_row = {
@@ -366,6 +384,8 @@ class SchedulerRig:
         # Every state the layer wrote from inside a step (vLLM's own checkpoint
         # and the fix's), per request: which prompts took the internal path.
         self.exports: dict[str, list[int]] = {}
+        # This step's writes: (request ID, position, block ID).
+        self._written: list[tuple[str, int, int]] = []
         self.partial_entries: list[tuple[str, int, int]] = []
         self._next_id = 0
         self._count_partial_entries()
@@ -520,8 +540,7 @@ class SchedulerRig:
             self.scheduler.update_from_output(out, self._runner_output(out, sampled))
         raise RuntimeError("requests did not finish in 100,000 steps")
 
-    @staticmethod
-    def _runner_output(out, sampled: list[list[int]]) -> ModelRunnerOutput:
+    def _runner_output(self, out, sampled: list[list[int]]) -> ModelRunnerOutput:
         ids = list(out.num_scheduled_tokens)
         fields = {
             "req_ids": ids,
@@ -530,6 +549,9 @@ class SchedulerRig:
             "logprobs": None,
             "prompt_logprobs_dict": {},
             "pooler_output": [],
+            # The fix's exports the worker wrote in this step (trees that key
+            # them only once reported: publish after write).
+            "mamba_checkpoint_exports_written": self.written_fix_exports(out),
         }
         # 0.34.0 dropped req_id_to_index; pass what this release declares.
         declared = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
@@ -545,6 +567,7 @@ class SchedulerRig:
             )
             for req_id, n in out.num_scheduled_tokens.items()
         ]
+        self._written = []
         if self.exporter is not None:
             step_exports = getattr(out, "mamba_checkpoint_exports", None)
             for req_id, groups in (step_exports or {}).items():
@@ -553,9 +576,20 @@ class SchedulerRig:
             for req, block_id, position in self.exporter.exports(rows, step_exports):
                 self.ledger.record_export(req, block_id, position)
                 self.exports.setdefault(req.request_id, []).append(position)
+                self._written.append((req.request_id, position, block_id))
         for req, _, mamba_ids in rows:
             # schedule() has already advanced num_computed_tokens.
             self.ledger.record_step(req, mamba_ids, req.num_computed_tokens)
+
+    def written_fix_exports(self, out) -> dict[str, list[int]] | None:
+        """Of the step's ``mamba_checkpoint_exports``, the positions the builder
+        wrote (``record_writes`` ran the step), per request, as a worker reports them."""
+        planned = getattr(out, "mamba_checkpoint_exports", None) or {}
+        written: dict[str, list[int]] = {}
+        for req_id, position, block_id in self._written:
+            if (position, block_id) in planned.get(req_id, {}).get(MAMBA_GROUP, ()):
+                written.setdefault(req_id, []).append(position)
+        return written or None
 
     def _resume_record(self, req: Request, hit: int) -> ResumeRecord:
         prefix = None

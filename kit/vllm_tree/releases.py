@@ -14,6 +14,7 @@ Idempotent: a stamp names the sdist and the mods a tree came from.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,13 @@ def tree(version: str, stage: str = "unpatched") -> trees.Tree:
         extra_paths=(ensure_deps(version),),
         extra_env={"VLLM_TARGET_DEVICE": "cpu"},
     )
+
+
+def select(name: str | None = None) -> trees.Tree:
+    """The tree ``KIT_TREE`` names: what ``trees.select`` takes, or
+    ``<release>/<stage>`` for a later release's tree (e.g. ``0.34.0/patched``)."""
+    name = name or os.environ.get(trees.SELECT_ENV, "patched")
+    if "/" not in name:
+        return trees.select(name)
+    version, stage = name.split("/", 1)
+    return tree(version, stage)

@@ -29,7 +29,13 @@ agree. What the trees do today (docs/publish-after-write.md):
   ``MambaManager.plan_checkpoint_exports`` plans none there
   (``query_end <= num_prompt_tokens``): neither a chunk end nor an export.
 
-Each unsafe behaviour is a strict expected failure, so it flips when a fence lands.
+Each unsafe behaviour is a strict expected failure on a tree without the fence
+(0.32.0), and passes on one with it: 0.34.0's patched tree
+(``fix-eagle-fine-prefix-lookahead`` keys the fix's exports in
+``Scheduler.update_from_output`` from ``ModelRunnerOutput.mamba_checkpoint_exports_written``;
+run there by tests/test_release_publish_after_write.py). vLLM's own prompt
+checkpoint is keyed at allocation on every release: its cases stay expected
+failures until vLLM fences it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from vllm.v1.outputs import ModelRunnerOutput
 
 import kit.rig.sched_harness as harness
 from kit.geometry.geometry_model import Geometry
@@ -44,18 +51,42 @@ from kit.rig.sched_harness import MAMBA_GROUP, SchedulerRig
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
+# The tree keys the fix's exports only once reported written.
+FENCED = "mamba_checkpoint_exports_written" in {
+    f.name for f in dataclasses.fields(ModelRunnerOutput)
+}
+# From 0.33.0 EAGLE/MTP prompts are hashed with lookahead block hashes (no drop).
+LOOKAHEAD = "num_hash_lookahead_tokens" in harness.VllmConfig.__dataclass_fields__
+
 # internal-1 (the layer exports at any offset), 64-token blocks, 16-token
 # prefix unit, MTP k=1. A 200-token prompt prefills in one chunk; that chunk
-# exports vLLM's own prompt checkpoint at 176 (tail 192 less EAGLE's unit) and,
-# with the fix, the predecessor state at 160 (tail - 2H) into a block of its own.
+# exports vLLM's own prompt checkpoint (legacy hashes: 176, tail 192 less
+# EAGLE's unit; lookahead hashes: 192) and, with the fix, the predecessor state
+# one unit below it (160; 176) into a block of its own.
 GEO = Geometry(64, 16, 1, checkpoints="internal-1")
 PROMPT = list(range(100, 300))
-OWN = 176
-FIX = 160
-# A follow-up resumes at p when it shares the prompt up to p + H and a bit:
-# full attention matches at p + H (the tail entry 192, or the fix's predecessor
-# entry 176), EAGLE drops one unit.
+OWN = 192 if LOOKAHEAD else 176
+FIX = OWN - GEO.unit
+# A follow-up resumes at p when its full-attention match ends there: with legacy
+# hashes it shares the prompt up to p + H and a bit (EAGLE drops one unit), with
+# lookahead hashes up to a bit past p (the key of p's unit covers the next token).
 FOLLOW_UP_TAIL = list(range(9000, 9040))
+
+
+def unfenced(reason: str) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.xfail(strict=True, reason=reason)]
+
+
+def kinds(reason: str) -> list:
+    """Both kinds of export. vLLM's own checkpoint is keyed at allocation on every
+    release; the fix's only on a tree without the fence."""
+    own = unfenced(f"vLLM's own prompt checkpoint: {reason}")
+    fix = [] if FENCED else unfenced(reason)
+    return [
+        pytest.param(OWN, id="vllm-checkpoint", marks=own),
+        pytest.param(FIX, id="fix-export", marks=fix),
+    ]
+
 
 KINDS = [pytest.param(OWN, id="vllm-checkpoint"), pytest.param(FIX, id="fix-export")]
 
@@ -65,7 +96,7 @@ ASYNC = "vllm.v1.core.sched.async_scheduler"
 
 
 def follow_up(position: int) -> list[int]:
-    return PROMPT[: position + GEO.unit + 4] + FOLLOW_UP_TAIL
+    return PROMPT[: position + (0 if LOOKAHEAD else GEO.unit) + 4] + FOLLOW_UP_TAIL
 
 
 def make_rig(tiny_model_dir, patched: bool, *, overlapping: bool = False, geo=GEO):
@@ -111,6 +142,19 @@ class Step:
             for req, _, _ in self.rows
         ]
 
+    def fix_positions(self, request) -> list[int]:
+        """The fix's exports the scheduler planned for ``request`` in this step."""
+        planned = getattr(self.out, "mamba_checkpoint_exports", None) or {}
+        return [p for p, _ in planned.get(request.request_id, {}).get(MAMBA_GROUP, ())]
+
+    def written(self, dropped: tuple[int, ...] = ()) -> dict[str, list[int]]:
+        """What a worker reports written: every export it wrote (``forward``)."""
+        out: dict[str, list[int]] = {}
+        for req, _, position in self.exports:
+            if position not in dropped:
+                out.setdefault(req.request_id, []).append(position)
+        return out
+
     def export_block(self, position: int) -> int:
         (block_id,) = {b for _, b, p in self.exports if p == position}
         return block_id
@@ -129,6 +173,7 @@ class Step:
         (docs/publish-after-write.md proposes ``mamba_checkpoint_exports_written``;
         any field naming exports is filled). Today there is none, so nothing can
         be reported."""
+        self.rig._written = []
         output = self.rig._runner_output(self.out, self.sampled)
         if written is not None:
             for f in dataclasses.fields(output):
@@ -181,20 +226,21 @@ def test_a_same_step_admission_cannot_hit(
     admitted = step.admitted_at(b)
     assert admitted is None or admitted < position
     step.forward()
-    step.finish()
+    step.finish(written=step.written())
     if admitted is None:
         nxt = Step(rig)
         assert nxt.admitted_at(b) == position
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="keyed at allocation: KVCacheManager.allocate_slots -> coordinator.cache_blocks "
-    "-> MambaManager.cache_blocks (_key_exports for the fix's exports, "
-    "_cache_partial_tail_block for vLLM's checkpoint) runs inside schedule(), "
-    "before the worker has run the step",
+@pytest.mark.parametrize(
+    "position",
+    kinds(
+        "keyed at allocation: KVCacheManager.allocate_slots -> coordinator.cache_blocks "
+        "-> MambaManager.cache_blocks (_key_exports for the fix's exports, "
+        "_cache_partial_tail_block for vLLM's checkpoint) runs inside schedule(), "
+        "before the worker has run the step"
+    ),
 )
-@pytest.mark.parametrize("position", KINDS)
 def test_no_key_before_the_writing_step_is_processed(
     tiny_model_dir, tree_is_patched: bool, position: int
 ) -> None:
@@ -205,18 +251,19 @@ def test_no_key_before_the_writing_step_is_processed(
     block_id = step.export_block(position)
     assert key_of(rig, block_id) is None
     step.forward()
-    step.finish()
+    step.finish(written=step.written())
     assert rig.manager.block_pool.blocks[block_id].block_hash_num_tokens == position
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="only same-step hits are fenced (MambaManager.cached_blocks_this_step, "
-    "cleared by new_step_starts at the next schedule()); with overlapping steps "
-    "(AsyncScheduler, pipeline parallel) the next schedule() runs before "
-    "update_from_output of the writing step and admits B on the keyed block",
+@pytest.mark.parametrize(
+    "position",
+    kinds(
+        "only same-step hits are fenced (MambaManager.cached_blocks_this_step, "
+        "cleared by new_step_starts at the next schedule()); with overlapping steps "
+        "(AsyncScheduler, pipeline parallel) the next schedule() runs before "
+        "update_from_output of the writing step and admits B on the keyed block"
+    ),
 )
-@pytest.mark.parametrize("position", KINDS)
 def test_the_next_step_cannot_hit_before_the_write_is_processed(
     tiny_model_dir, tree_is_patched: bool, position: int
 ) -> None:
@@ -234,13 +281,14 @@ def test_the_next_step_cannot_hit_before_the_write_is_processed(
     assert admitted is None or admitted < position, admitted
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the worker reports no exports back (ModelRunnerOutput has no field for "
-    "them) and the key was set at allocation, so a step that did not write the "
-    "export leaves its key and a follow-up resumes from a state nobody wrote",
+@pytest.mark.parametrize(
+    "position",
+    kinds(
+        "the worker reports no exports back (ModelRunnerOutput has no field for "
+        "them) and the key was set at allocation, so a step that did not write the "
+        "export leaves its key and a follow-up resumes from a state nobody wrote"
+    ),
 )
-@pytest.mark.parametrize("position", KINDS)
 def test_a_dropped_export_leaves_no_key(
     tiny_model_dir, tree_is_patched: bool, position: int
 ) -> None:
@@ -263,10 +311,11 @@ def test_a_dropped_export_leaves_no_key(
 
 
 def test_export_blocks_outlive_an_aborted_producer_step(tiny_model_dir, tree_is_patched) -> None:
-    """Safe today: at the request's end the held export blocks go through the
-    scheduler's deferred frees (``MambaManager.pop_blocks_for_free`` lists them;
-    ``Scheduler._free_request_blocks`` defers while the step is in flight), as
-    under a KV-consumer connector with overlapping steps (``defer_block_free``)."""
+    """At the request's end the export blocks stay out of the pool until the writing
+    step is processed, as under a KV-consumer connector with overlapping steps
+    (``defer_block_free``): without the fence through the scheduler's deferred
+    frees (``MambaManager.pop_blocks_for_free`` lists them), with it because the
+    pending export, not the request, holds them."""
     needs(FIX, tree_is_patched)
     from vllm.v1.request import RequestStatus
 
@@ -278,13 +327,14 @@ def test_export_blocks_outlive_an_aborted_producer_step(tiny_model_dir, tree_is_
     block = rig.manager.block_pool.blocks[step.export_block(FIX)]
     rig.scheduler.finish_requests(a.request_id, RequestStatus.FINISHED_ABORTED)
     assert block.ref_cnt > 0
-    assert any(block in blocks for _, blocks in rig.scheduler.deferred_frees)
+    assert FENCED or any(block in blocks for _, blocks in rig.scheduler.deferred_frees)
     step.forward()
-    step.finish()
+    step.finish(written=step.written())
     assert block.ref_cnt == 0
 
 
 @pytest.mark.xfail(
+    not FENCED,
     strict=True,
     reason="MambaManager._allocate_exports frees the blocks the previous step "
     "exported into at the request's next allocation with block_pool.free_blocks, "
@@ -308,12 +358,14 @@ def test_export_blocks_released_at_the_next_allocation_are_deferred(
 
 
 # A preempted request replays its outputs in one chunk [0, 351) past its
-# 311-token prompt; cold, the prompt exports the fix's states 240 and 272.
+# 311-token prompt; cold, the prompt exports the fix's states (legacy hashes:
+# 240 and 272).
 REPLAY_GEO = Geometry(128, 16, 1, checkpoints="internal-1")
 REPLAY_PROMPT = list(range(100, 411))
 
 
 @pytest.mark.xfail(
+    not FENCED,
     strict=True,
     reason="bounds disagree for a replayed prompt: Scheduler._mamba_block_aligned_split "
     "takes the fix's states as exports of a chunk up to prefill_end = "
@@ -326,19 +378,22 @@ def test_a_replayed_prompt_keeps_the_fix_states(tiny_model_dir, tree_is_patched)
     rig = make_rig(tiny_model_dir, tree_is_patched, geo=REPLAY_GEO)
     a = rig.make_request(REPLAY_PROMPT, max_tokens=60)
     rig.scheduler.add_request(a)
+    fix_states: set[int] = set()
     while a.num_output_tokens < 40:
         step = Step(rig)
+        fix_states |= set(step.fix_positions(a))
         step.forward()
-        step.finish()
+        step.finish(written=step.written())
     cold = set(rig.partial_entries_of(a.request_id, MAMBA_GROUP))
-    assert {240, 272} <= cold
+    assert fix_states and fix_states <= cold
+    assert LOOKAHEAD or fix_states == {240, 272}
     rig.partial_entries.clear()
     rig.scheduler.reset_prefix_cache(reset_running_requests=True)
     first = True
     while first or a.num_computed_tokens < a.num_tokens - 1:
         step = Step(rig)
         step.forward()
-        step.finish()
+        step.finish(written=step.written())
         first = False
     replayed = set(rig.partial_entries_of(a.request_id, MAMBA_GROUP))
-    assert {240, 272} <= replayed, sorted(replayed)
+    assert fix_states <= replayed, sorted(replayed)
