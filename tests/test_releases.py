@@ -186,10 +186,14 @@ import json, sys
 from pathlib import Path
 import kit.vllm_tree.release_plugin  # noqa: F401
 import vllm.v1.core.sched.scheduler as scheduler
+import vllm.v1.core.single_type_kv_cache_manager as managers
 from kit.rig import later_turns
 model, out, fix, cut = sys.argv[1:]
 if cut == "no-cut":
+    # Both readers: the scheduler's stops and the manager's planned exports.
     scheduler.is_mamba_eagle_fix_state_skipped = lambda position, resume: False
+    if hasattr(managers, "is_mamba_eagle_fix_state_skipped"):
+        managers.is_mamba_eagle_fix_state_skipped = lambda position, resume: False
 rows = later_turns.measure(Path(model), fix == "fix", True, "internal-1")
 Path(out).write_text(json.dumps(rows))
 """
@@ -206,8 +210,8 @@ def _later_turn_rows(stage: str, cut: str, model: Path, out: Path) -> list[dict]
 def test_the_later_turn_check_fails_without_the_cut(tmp_path: Path) -> None:
     """The check above is not vacuous: on the newest release (internal-1, lookahead
     hashes), with the fix's skip switched off, the turns with a short message pay
-    for the state (a chunk end, or a declined export) and their sibling resumes
-    there; every row that fails is one the fix leaves out."""
+    for the state (a chunk end, a declined export, or an export of its own) and
+    their sibling resumes there; every row that fails is one the fix leaves out."""
     from kit.weights.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny")
