@@ -7,7 +7,7 @@ PYTHON ?= python3.11
 VENV_PY := .venv/bin/python
 # The one kit command (kit/cli.py); also .venv/bin/kit once make setup installed the kit.
 KIT := $(VENV_PY) -m kit.cli
-TREES := unpatched patched
+TREE_NAMES := unpatched patched
 
 .PHONY: stress help setup test lint mods-list mods-drift regress upstream-suite upstream-check tiny-model bench bench-cpu \
   turn-cost bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
@@ -36,11 +36,11 @@ setup-host: ## GPU hosts: .venv with the kit, the Docker SDK and huggingface_hub
 # (make hands a command-line TORCH_INDEX to the commands' environment itself.)
 
 lock: setup-host ## (online, once) resolve every unresolved pin (TARGET=gb10|strix|cpu: one target's): base-image digests, vLLM commits, enabled models; saves each, prints the diff
-	$(VENV_PY) -m kit.images.lock pins $(TARGET)
+	$(VENV_PY) -m kit.pins.lock pins $(TARGET)
 
-# lock-deps needs no .venv (kit/images/lock.py is standard library only): it makes setup-host's own lock.
+# lock-deps needs no .venv (kit/pins/lock.py is standard library only): it makes setup-host's own lock.
 lock-deps: ## (online) re-resolve the hash locks under locks/ (gb10 aarch64/x86_64, strix, the CPU .venv, setup-host's per platform) with uv
-	$(HOST_PYTHON) -m kit.images.lock deps
+	$(HOST_PYTHON) -m kit.pins.lock deps
 
 # Each phase prints its time. The whole suite runs on the patched tree; the tests
 # marked `tree` (they measure the vLLM tree under test) run on the unpatched one too.
@@ -76,7 +76,7 @@ mods-drift: setup ## every mod against every known vLLM release: applies / appli
 	$(KIT) mods-drift
 
 mods-list: setup ## the mods and their state against both trees
-	@for tree in $(TREES); do $(KIT) mods list --tree .trees/$$tree/vllm; done
+	@for tree in $(TREE_NAMES); do $(KIT) mods list --tree .trees/$$tree/vllm; done
 
 # The main job: the GPU target this host is, else the CPU default. A GPU alone does
 # not make a host a DGX Spark: gb10 needs an aarch64 host whose nvidia-smi names a
@@ -121,18 +121,18 @@ turn-cost: setup ## where a conversation turn's time goes, unpatched vs patched 
 loss-sweep: setup ## EAGLE-specific loss over 20,000 seeded random geometries, from the geometry model; results/loss-sweep.json
 	$(KIT) loss-sweep
 
-# vLLM's kernels run in .venv-triton (kit/rig/kernel_env.py builds it), never in .venv.
+# vLLM's kernels run in .venv-triton (kit/kernels/triton_env.py builds it), never in .venv.
 .PHONY: kernel-check
 kernel-check: setup ## the kit's CPU kernels (align copies, CPU GDN) against vLLM's own Triton kernels under Triton's interpreter; results/kernel-check.json
 	$(KIT) kernel-check --out results/kernel-check.json
 
-# device-check needs no .venv and no network: the bundle under kit/rig/kernel_check_device
+# device-check needs no .venv and no network: the bundle under kit/kernels/device_bundle
 # (written by `kit kernel-check --export`) holds the cases and vLLM's kernel files.
 # var DEVICE_PYTHON: the Python of device-check, with torch and Triton (default python3)
 DEVICE_PYTHON ?= python3
 .PHONY: device-check
 device-check: ## on a GPU machine: the same checks with vLLM's compiled Triton kernels (0.32.0; FLA and SSD also 0.34.0), from the repository alone; results/kernel-check-cuda.json (DRY_RUN=1: interpreter, CPU, tiny cases)
-	$(DEVICE_PYTHON) kit/rig/kernel_check_triton.py --bundle kit/rig/kernel_check_device \
+	$(DEVICE_PYTHON) kit/kernels/triton_check.py --bundle kit/kernels/device_bundle \
 	  $(if $(filter 1,$(DRY_RUN)),--dry-run --out .cache/device-check-dry-run.json,--device cuda --out results/kernel-check-cuda.json)
 
 # var BUNDLES: one results folder, or two to compare (report; default the newest bundle)
@@ -195,9 +195,9 @@ VLLM ?=
 STRESS_SEEDS ?= 20
 
 stress: setup ## many requests over one context on every checkpoint path, every chunk checked (STRESS_SEEDS= per geometry)
-	@for tree in $(TREES); do echo "== $$tree"; $(VENV_PY) -m kit.rig.stress --tree $$tree --seeds $(STRESS_SEEDS) || exit 1; done
+	@for tree in $(TREE_NAMES); do echo "== $$tree"; $(VENV_PY) -m kit.rig.stress --tree $$tree --seeds $(STRESS_SEEDS) || exit 1; done
 
-regress: setup ## geometry table, unpatched vs patched, under results/regression (VLLM=0.33.0|0.34.0: a later release from its sdist)
+regress: setup ## geometry table on a release's stock, unpatched and patched trees, under results/regression (VLLM=<a release in pins.toml>|newest: that one, in results/regression/<release> unless it is the pinned one)
 	$(KIT) regress $(if $(VLLM),--vllm $(VLLM))
 
 upstream-suite: setup ## vLLM's own tests/v1/core (and the worker tests of the modded files) on the pristine, unpatched and patched trees (VLLM=0.33.0|0.34.0|newest: a later release's)

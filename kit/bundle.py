@@ -36,9 +36,7 @@ import time
 from pathlib import Path
 
 from kit import schema
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "results"
+from kit.paths import RESULTS, ROOT
 
 BENCH = "bench.json"
 RAW = "raw.json"

@@ -215,9 +215,10 @@ def describe(path: Path) -> tuple[str, str, str, str]:
         release = release or str((trees.get("unpatched") or {}).get("vllm_version") or "?")
         regime = regime or "split"
         losses = data.get("eagle_specific_loss") or {}
-        unpatched = losses.get("unpatched") or losses.get("unpatched/lookahead") or {}
+        # The first column is the unpatched tree's (stages in order, stock apart).
+        unpatched = next(iter(losses.values()), {})
         what = (
-            f"geometry grid, both trees; EAGLE-specific loss unpatched "
+            f"geometry grid, every tree; EAGLE-specific loss unpatched "
             f"{unpatched.get('cases', '?')} cases"
         )
     elif kind == "upstream-suite":

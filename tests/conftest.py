@@ -29,16 +29,14 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def _select_tree():
-    from kit.vllm_tree import releases
+    from kit.vllm_tree import releases, trees
 
     try:
         tree = releases.select()
+        # Its search path and environment (a tree from an sdist: vLLM's CPU platform),
+        # then, for such a tree, the plugin that lets its scheduler run without triton-cpu.
         tree.activate()
-        if tree.extra_env:
-            # A later release's tree (KIT_TREE=<release>/<stage>): its platform and
-            # the plugin that lets its scheduler run without triton-cpu.
-            os.environ.update(tree.extra_env)
-            import kit.vllm_tree.release_plugin  # noqa: F401
+        trees.prepare(tree.from_sdist)
     except Exception as exc:  # noqa: BLE001 - reported at collection, not hidden
         sys.stderr.write(f"kit: cannot prepare the vLLM tree under test: {exc}\n")
         return None
@@ -83,12 +81,12 @@ KERNEL_CHECK_REQUIRED = (
 
 @pytest.fixture(scope="session")
 def triton_env() -> Path:
-    """.venv-triton, where vLLM's Triton kernels run (kit/rig/kernel_env.py)."""
-    from kit.rig import kernel_env
+    """.venv-triton, where vLLM's Triton kernels run (kit/kernels/triton_env.py)."""
+    from kit.kernels import triton_env
 
     try:
-        return kernel_env.ensure()
-    except kernel_env.KernelEnvError as exc:
+        return triton_env.ensure()
+    except triton_env.KernelEnvError as exc:
         if KERNEL_CHECK_REQUIRED:
             pytest.fail(f".venv-triton cannot be built: {exc}")
         pytest.skip(f".venv-triton cannot be built here: {exc}")

@@ -4,7 +4,7 @@ The planners are the rules for which states one forward pass hands out: FLA's
 chunk kernel holds the state before every 64-token chunk of each sequence (the
 grid starts where the prefill starts) and the final state; vLLM's SSD scan holds
 the state at the end of each of its chunks. The bundle
-(kit/rig/kernel_check_device, written by `kit kernel-check --export`) is all a GPU
+(kit/kernels/device_bundle, written by `kit kernel-check --export`) is all a GPU
 machine gets: the cases, vLLM's kernel files per release and a manifest; its
 dry run runs the same script under Triton's interpreter on the tiny cases.
 
@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 
-from kit.rig import kernel_check
-from kit.rig import kernel_check_triton as triton_side
+from kit import paths
+from kit.kernels import check as kernel_check
+from kit.kernels import triton_check as triton_side
 from kit.vllm_tree import pins, sdists
 
 pytestmark = [pytest.mark.cpu]
@@ -163,13 +164,13 @@ def test_make_device_check_runs_the_bundle_on_cuda_or_dry() -> None:
     def make_n(*args: str) -> str:
         return subprocess.run(
             ["make", "-n", "device-check", *args],
-            cwd=kernel_check.ROOT,
+            cwd=paths.ROOT,
             capture_output=True,
             text=True,
             check=True,
         ).stdout
 
-    assert "kernel_check_triton.py --bundle kit/rig/kernel_check_device" in make_n()
+    assert "kit/kernels/triton_check.py --bundle kit/kernels/device_bundle" in make_n()
     assert "--device cuda --out results/kernel-check-cuda.json" in make_n()
     assert "--dry-run" in make_n("DRY_RUN=1") and "--device cuda" not in make_n("DRY_RUN=1")
 

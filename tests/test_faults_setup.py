@@ -210,7 +210,7 @@ def test_a_venv_aside_of_a_running_setup_is_left_alone(tmp_path: Path) -> None:
 def test_a_broken_pin_file_is_one_line(tmp_path: Path, monkeypatch, capsys, text, expect) -> None:
     pins_file = tmp_path / "pins.toml"
     pins_file.write_text(text)
-    monkeypatch.setattr(setup_env, "PINS", pins_file)
+    monkeypatch.setattr(setup_env, "PINS_FILE", pins_file)
     venv = tmp_path / "venv"
     _old_venv(venv)
     _use_venv(monkeypatch, venv)

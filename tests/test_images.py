@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kit.images import build as images
-from kit.images import lock
+from kit.pins import lock
 from kit.vllm_tree import pins, sdists, setup_env
 
 pytestmark = pytest.mark.cpu

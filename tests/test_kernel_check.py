@@ -1,7 +1,7 @@
-"""The kit's CPU kernels against vLLM 0.32.0's own Triton kernels (kit.rig.kernel_check).
+"""The kit's CPU kernels against vLLM 0.32.0's own Triton kernels (kit.kernels.check).
 
 vLLM's kernels come from the pinned sdist and run under Triton's interpreter in
-.venv-triton (built here if missing; kit/rig/kernel_env.py). The copies must equal
+.venv-triton (built here if missing; kit/kernels/triton_env.py). The copies must equal
 the kit's CPU port bit for bit, the CPU GDN kernel's final and per-chunk states
 FLA's within ``GDN_TOLERANCE``; the states exported from one pass (FLA's h, the
 SSD scan's chunk states, on 0.32.0's and 0.34.0's kernels) the float64
@@ -22,7 +22,9 @@ from unittest.mock import ANY
 
 import pytest
 
-from kit.rig import kernel_check, kernel_env
+from kit import paths
+from kit.kernels import check as kernel_check
+from kit.kernels import triton_env as kernel_env  # the fixture triton_env is its python
 from kit.vllm_tree import trees
 
 pytestmark = [pytest.mark.cpu, pytest.mark.slow]
@@ -40,7 +42,7 @@ def test_triton_env_is_hash_locked_like_the_kits_venv(triton_env: Path) -> None:
     assert body.count("--hash=sha256:") >= len(names)
     assert f"torch=={want['torch']} " in body
     stamp = json.loads(kernel_env.STAMP.read_text())
-    assert stamp["lock"] == {"file": str(path.relative_to(kernel_env.ROOT)), "sha256": ANY}
+    assert stamp["lock"] == {"file": str(path.relative_to(paths.ROOT)), "sha256": ANY}
     assert stamp == want
 
 

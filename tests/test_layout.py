@@ -11,11 +11,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / "kit"
-# The order docs/architecture.md "Where things live" gives; "" is the shared modules in kit/ itself.
-LAYERS = ("", "geometry", "vllm_tree", "weights", "rig", "bench", "images")
+# The order docs/architecture.md "Where things live" gives: the repository's paths at the
+# bottom, then the shared modules in kit/ itself (""), the packages, and the one command on
+# top, which reaches every layer.
+LAYERS = (
+    "paths",
+    "",
+    "geometry",
+    "vllm_tree",
+    "weights",
+    "pins",
+    "rig",
+    "kernels",
+    "bench",
+    "images",
+    "cli",
+)
+# The modules in kit/ itself that are a layer of their own.
+OWN_LAYER = {"kit.paths": "paths", "kit.cli": "cli"}
 SHARED = {
     "__init__",
-    "cli",
     "bundle",
     "schema",
     "results_index",
@@ -35,6 +50,8 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(module: str) -> str:
+    if module in OWN_LAYER:
+        return OWN_LAYER[module]
     parts = module.split(".")
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else ""
 
@@ -59,12 +76,23 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return found
 
 
+def jobs_of(path: Path, known: set[str]) -> set[str]:
+    """The kit modules a dispatcher names as strings (cli.py's JOBS) and imports by name."""
+    return {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in known and node.value != "kit"
+    }
+
+
 def graph() -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
     # A package's __init__ is imported on the way to any of its modules: not an edge.
     packages = {m for m, p in mods.items() if p.name == "__init__.py"}
-    return {m: imports_of(p, known) - packages - {m} for m, p in mods.items()}
+    edges = {m: imports_of(p, known) - packages - {m} for m, p in mods.items()}
+    edges["kit.cli"] |= jobs_of(mods["kit.cli"], known)  # importlib.import_module(JOBS[job])
+    return edges
 
 
 def test_every_module_sits_in_a_layer() -> None:
@@ -73,6 +101,7 @@ def test_every_module_sits_in_a_layer() -> None:
         for m, p in modules().items()
         if p.parent == KIT
         and p.stem not in SHARED
+        and m not in OWN_LAYER
         or p.parent != KIT
         and p.parent.name not in LAYERS
     ]
@@ -88,6 +117,18 @@ def test_layers_import_only_the_layers_before_them() -> None:
         if rank[layer_of(d)] > rank[layer_of(m)]
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_paths_are_the_bottom_and_the_one_command_the_top() -> None:
+    # kit/paths.py is what every layer may take its paths from: it imports nothing of
+    # the kit. cli.py imports every job's module by name (importlib): counted with the
+    # shared bottom, any module could import it and its reach to the top would not show.
+    edges = graph()
+    assert layer_of("kit.paths") == LAYERS[0] and not edges["kit.paths"]
+    assert layer_of("kit.cli") == LAYERS[-1]
+    assert {"vllm_tree", "weights", "rig", "bench", "images"} <= {
+        layer_of(d) for d in edges["kit.cli"]
+    }
 
 
 def test_no_import_cycle() -> None:
@@ -145,7 +186,7 @@ def test_the_gpu_hosts_flow_imports_without_vllm_or_the_bench_clients_dependenci
     code = (
         "import sys\n"
         f"for name in {blocked!r}: sys.modules[name] = None\n"
-        "import kit.images.orchestrate, kit.images.lock, kit.images.hostcheck\n"
+        "import kit.images.orchestrate, kit.pins.lock, kit.images.hostcheck\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

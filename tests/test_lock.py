@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.images import lock
+from kit.pins import lock
 from kit.vllm_tree import pins, setup_env
 from tests.hub_server import COMMIT, REPO, FakeHub, HubServer, tiny_repo_files
 
@@ -163,7 +163,7 @@ def run_lock(online: dict, *targets: str) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-m",
-            "kit.images.lock",
+            "kit.pins.lock",
             "pins",
             *targets,
             "--pins",
@@ -259,7 +259,7 @@ with open(args[args.index("-o") + 1], "w") as f:
 
 
 def _lock_deps(tmp_path: Path, monkeypatch, *only: str) -> tuple[int, list[list[str]]]:
-    """`kit.images.lock deps --only ...` with a fake uv and locks/ in tmp_path (no network)."""
+    """`kit.pins.lock deps --only ...` with a fake uv and locks/ in tmp_path (no network)."""
     uv = tmp_path / "uv"
     uv.write_text(FAKE_UV.format(python=sys.executable))
     uv.chmod(0o755)

@@ -1,10 +1,11 @@
-"""Later vLLM releases from pins.toml [releases]: trees from their sdists, and the table.
+"""vLLM releases from pins.toml: trees by stage, and the regression table of each.
 
 Tree-independent, so it runs once, in the patched-tree pass of `make test`. The
 table tests download every release's sdist from PyPI once (sha256-checked,
-cached in .cache/) and run the scheduler suite on each release's unpatched and
-patched trees in their own processes; a strict expected failure pins the
-unpatched trees' measured probe loss.
+cached in .cache/) and run the scheduler suite (kit/rig/regress_cli.py, the one
+path for every release) on each later release's stock, unpatched and patched
+trees in their own processes; a strict expected failure pins the unpatched
+trees' measured probe loss.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from kit.geometry.geometry_cases import all_cases
 from kit.geometry.geometry_model import REGIMES, Case, Geometry, expected, lookahead_ideal
-from kit.rig import later_turns, release_report
+from kit.rig import later_turns, regress_cli
 from kit.vllm_tree import releases
 
 pytestmark = pytest.mark.cpu
@@ -35,8 +36,14 @@ def test_every_release_is_pinned_by_sha256_not_by_an_index_url() -> None:
 
 
 def test_unknown_release_is_refused_with_what_to_do() -> None:
-    with pytest.raises(releases.ReleaseError, match=r"not in pins.toml \[releases\].*sdist_sha256"):
-        releases.ensure_tree("0.0.1")
+    for refused in (
+        lambda: releases.ensure_tree("0.0.1"),
+        lambda: releases.tree("0.0.1", "pristine"),
+        lambda: releases.resolve("0.0.1"),
+    ):
+        with pytest.raises(releases.ReleaseError, match=r"not in pins.toml.*sdist_sha256"):
+            refused()
+    assert regress_cli.run("0.0.1") == 2
 
 
 def test_lookahead_ideal() -> None:
@@ -56,30 +63,36 @@ def test_lookahead_model_reproduces_the_measured_0_33_facts() -> None:
         assert expected(case, patched=True, lookahead=1).hit == patched, shared
 
 
-def test_each_release_tree_differs_by_the_lookahead_fix_alone() -> None:
-    for version in releases.known():
+LATER = sorted(v for v in releases.known() if releases.from_sdist(v))
+
+
+def test_each_release_tree_differs_by_the_fix_alone() -> None:
+    assert [m.name for m in releases.fixes(releases.pinned())] == ["fix-eagle-fine-prefix"]
+    for version in LATER:
         fixes = [m.name for m in releases.fixes(version)]
         # 0.34.0 also gets the worker side of the fix's exports (FlashInfer GDN).
         worker = ["fix-eagle-fine-prefix-exports"] if version == "0.34.0" else []
         assert fixes == [*worker, "fix-eagle-fine-prefix-lookahead"]
-        assert releases.stages(version) == ["unpatched", "patched"]
+    for version in releases.known():
+        assert releases.stages(version) == ["pristine", "unpatched", "patched"]
     # What mods-drift compares against carries no mod at all.
     assert not releases.release_mods(releases.newest(), "pristine")
 
 
-@pytest.fixture(scope="module", params=sorted(releases.known()))
+@pytest.fixture(scope="module", params=LATER)
 def release_table(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Each release's measured table: its real Scheduler on all 243 geometries, both
-    trees, lookahead and legacy hashes (one run per release, ~1 min)."""
+    """Each later release's measured table: its real Scheduler on all 243 geometries,
+    every tree, lookahead and legacy hashes (one run per release, ~1 min), written
+    where --out says."""
     version = request.param
     out = tmp_path_factory.mktemp(f"regress-{version}")
     # The internal-checkpoint regimes on the newest release (the one GB10 and Hopper
     # run them on); the split path on every release.
     regimes = REGIMES if version == releases.newest() else ("split",)
-    assert release_report.run(version, quiet=True, out_root=out, regimes=regimes) == 0
-    table = json.loads((out / version / "regression.json").read_text())
+    assert regress_cli.run(version, out=out, quiet=True, regimes=regimes) == 0
+    table = json.loads((out / "regression.json").read_text())
     table["internal"] = {
-        regime: json.loads((out / version / regime / "regression.json").read_text())
+        regime: json.loads((out / regime / "regression.json").read_text())
         for regime in regimes
         if regime != "split"
     }
@@ -87,12 +100,19 @@ def release_table(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 
 def test_the_geometry_model_predicts_every_release_hit(release_table: dict) -> None:
-    """Exact: every case, both trees, both hashings, every regime measured resume
-    where the model says (verdict DIFFERS otherwise), and never from a stale state."""
+    """Exact: every case, both modelled trees, both hashings, every regime measured
+    resume where the model says (verdict DIFFERS otherwise), and never from a stale
+    state; the cache geometry is the same on every tree."""
     for table in (release_table, *release_table["internal"].values()):
+        assert table["hashings"] == ["lookahead", "legacy"]
+        assert list(table["summary"]) == [
+            f"{stage}/{h}" for stage in ("unpatched", "patched") for h in table["hashings"]
+        ]
         for key, summary in table["summary"].items():
             assert set(summary) <= {"ok", "loss"}, (table["vllm_version"], key, summary)
             assert sum(summary.values()) == len(all_cases()), key
+        assert table["geometry_identical"], table["geometry_differs"]
+        assert "WORSE" not in str(table["fix_effect"])
 
 
 def _probes(report: dict, key: str) -> dict[str, str]:
@@ -136,11 +156,13 @@ def test_every_context_load_probe_resumes_at_the_lookahead_ideal(
 
 def test_legacy_hashes_behave_as_0_32(release_table: dict) -> None:
     """disable_lookahead_block_hashes (and any KV connector) gives the 0.32.0
-    picture: the EAGLE-specific loss per tree equals the pinned release's."""
+    picture: the EAGLE-specific loss per tree equals the pinned release's, whose only
+    hashing is the legacy one (the committed table, the same code path)."""
     pinned = json.loads((ROOT / "results" / "regression" / "regression.json").read_text())
+    assert pinned["hashings"] == ["legacy"]
     loss = release_table["eagle_specific_loss"]
-    assert loss["unpatched/legacy"] == pinned["eagle_specific_loss"]["unpatched"]
-    assert loss["patched/legacy"] == pinned["eagle_specific_loss"]["patched"]
+    for key in ("unpatched/legacy", "patched/legacy"):
+        assert loss[key] == pinned["eagle_specific_loss"][key], key
 
 
 def test_fix_leaves_speculation_no_loss_of_its_own(release_table: dict) -> None:

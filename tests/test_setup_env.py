@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kit.images import lock
+from kit.pins import lock
 from kit.vllm_tree import pins, setup_env
 
 pytestmark = pytest.mark.cpu
@@ -43,7 +43,7 @@ def test_light_setup_runs_the_gpu_flow_without_vllm_or_torch(tmp_path: Path, mon
         [
             py,
             "-c",
-            "import importlib.util as u, kit.images.orchestrate, kit.images.lock, docker, "
+            "import importlib.util as u, kit.images.orchestrate, kit.pins.lock, docker, "
             "huggingface_hub; "
             "print(u.find_spec('vllm'), u.find_spec('torch'))",
         ],
@@ -121,7 +121,7 @@ def test_light_setup_without_a_lock_for_the_host_names_it_and_the_command(
     assert rc == 2 and commands == []  # nothing installed unlocked
     err = capsys.readouterr().err
     assert "locks/host-venv-ppc64le.txt is missing" in err
-    assert "make lock-deps" in err and "-m kit.images.lock deps --only host-venv-ppc64le" in err
+    assert "make lock-deps" in err and "-m kit.pins.lock deps --only host-venv-ppc64le" in err
 
 
 def test_a_light_venv_from_another_lock_is_stale(tmp_path: Path, monkeypatch) -> None:

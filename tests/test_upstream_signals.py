@@ -30,12 +30,16 @@ def test_never_finishes():
 DRIVER = """
 import sys
 from pathlib import Path
-from kit.vllm_tree import trees, upstream_suite
+from kit.vllm_tree import releases, trees, upstream_suite
 tests_dir, package, out = map(Path, sys.argv[1:4])
 upstream_suite.extract_tests = lambda sdist, version=None: tests_dir
-upstream_suite.sdists.pinned = lambda explicit=None: tests_dir
-upstream_suite.trees.pinned = lambda name, target="cpu": trees.Tree(name, package)
-upstream_suite.trees.venv_vllm = lambda: package  # the pristine tree
+upstream_suite.sdists.release = lambda version, explicit=None: tests_dir
+# Every stage's tree is the stand-in package; the last one carries the fix.
+releases.trees_of = lambda version: {
+    stage: trees.Tree(stage, package, stock=stage == releases.STOCK)
+    for stage in releases.STAGES
+}
+trees.Tree.patched = property(lambda tree: tree.name == releases.STAGES[-1])
 trees.Tree.release = property(lambda tree: "0.0.0")  # the stand-in package has no version
 sys.exit(upstream_suite.main(["--out", str(out)]))
 """

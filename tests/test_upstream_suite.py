@@ -13,15 +13,13 @@ import pytest
 
 from kit.vllm_tree import (
     offline_hub,
-    pins,
     releases,
     sdists,
     suite_plugin,
-    trees,
     upstream_suite,
 )
 
-RELEASES = [pins.get("vllm.version"), *pins.load().get("releases", {})]
+RELEASES = list(releases.known())
 
 
 def test_the_hub_cache_holds_each_config(tmp_path: Path) -> None:
@@ -43,10 +41,8 @@ def test_every_exclusion_has_a_reason_and_the_releases_are_known() -> None:
 
 def collected(release: str) -> list[str]:
     """Node ids of the suite files an exclusion names, as the release's tests have them."""
-    pinned = release == pins.get("vllm.version")
-    sdist = sdists.pinned() if pinned else sdists.release(release)
-    tests_dir = upstream_suite.extract_tests(sdist, release)
-    tree = trees.pinned("unpatched") if pinned else releases.tree(release, "unpatched")
+    tests_dir = upstream_suite.extract_tests(sdists.release(release), release)
+    tree = releases.tree(release, "unpatched")
     files = sorted(
         {
             case.split("::")[0]

@@ -1,2 +1,2 @@
 """Images and the container flow: Dockerfile stages built with buildah or Docker, the
-suites inside the images, host checks, and `make lock`."""
+suites inside the images, and host checks."""

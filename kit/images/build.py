@@ -20,11 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kit.paths import IMAGES_DIR, LOCKS, ROOT, WHEELHOUSE
 from kit.vllm_tree import mods, pins
 
-ROOT = Path(__file__).resolve().parents[2]
+# The image stages: the release's modded trees (kit.vllm_tree.releases.STAGES less
+# the release as installed, which has no image of its own).
 STAGES = ("unpatched", "patched")
-LOCKS = ROOT / "locks"
 
 
 # What the Dockerfiles COPY into /opt/kit; their hash labels the image.
@@ -84,6 +85,12 @@ def lock_file(target: str, arch: str) -> Path | None:
     return None if target == "cpu" else LOCKS / f"{target}-{arch}.txt"
 
 
+def locked_vllm(lock: Path) -> str | None:
+    """The vLLM release whose wheel a hash lock holds (``vllm==<version>``), if any."""
+    found = re.search(r"^vllm==([^\s;+]+)", lock.read_text(), re.MULTILINE)
+    return found.group(1) if found else None
+
+
 def docker_build_cmd(
     target: str,
     stage: str,
@@ -114,9 +121,10 @@ def docker_build_cmd(
             f"locks/{lock.name} is missing: run `make lock-deps` where the indexes "
             "it needs are reachable, then commit the file"
         )
-    if args.get("SOURCE_BUILD") == "0" and args["VLLM_VERSION"] != pins.get("vllm.version"):
+    held = locked_vllm(lock) if lock is not None else None
+    if args.get("SOURCE_BUILD") == "0" and held != args["VLLM_VERSION"]:
         raise mods.ModError(
-            f"locks/{target}-{arch}.txt holds the vLLM {pins.get('vllm.version')} wheel, not "
+            f"locks/{lock.name if lock else '?'} holds the vLLM {held or 'no'} wheel, not "
             f"{args['VLLM_VERSION']}: build that release from its tag with SOURCE_BUILD=1"
         )
     if shutil.which("docker") or not shutil.which("podman"):
@@ -131,7 +139,7 @@ def docker_build_cmd(
         "-t",
         image_tag(target, stage, args["VLLM_VERSION"], arch),
         "-f",
-        str(ROOT / "images" / target / "Dockerfile"),
+        str(IMAGES_DIR / target / "Dockerfile"),
     ]
     for key, value in args.items():
         cmd += ["--build-arg", f"{key}={value}"]
@@ -223,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm",
         metavar="RELEASE",
-        help="a later vLLM release from pins.toml [releases] (default: the pinned one)",
+        help="a vLLM release from pins.toml (default: the pinned one)",
     )
     args = parser.parse_args(argv)
-    (ROOT / "wheelhouse").mkdir(exist_ok=True)  # the Dockerfiles COPY it; may stay empty
+    WHEELHOUSE.mkdir(exist_ok=True)  # the Dockerfiles COPY it; may stay empty
     try:
         for stage in args.stage or STAGES:
             cmd = docker_build_cmd(

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from kit.images import build as images
 from kit.images import buildah_storage
+from kit.paths import CACHE, IMAGES_DIR, ROOT, WHEELHOUSE
 from kit.vllm_tree import pins
 
-ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache" / "buildah"
+BUILDAH_CACHE = CACHE / "buildah"
 BASE_NAME = "localhost/kit-base-bookworm:debootstrap"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 APT_SOURCES = Path("/etc/apt")
@@ -102,7 +102,7 @@ def base_image(suite: str) -> str:
     if BASE_NAME in have:
         return BASE_NAME
     mirror = debian_mirror(suite)  # before anything is made: a missing one changes nothing
-    rootfs = CACHE / f"rootfs-{suite}"
+    rootfs = BUILDAH_CACHE / f"rootfs-{suite}"
     shutil.rmtree(rootfs, ignore_errors=True)
     rootfs.mkdir(parents=True)
     run(["debootstrap", "--variant=minbase", suite, str(rootfs), mirror])
@@ -120,7 +120,7 @@ def base_image(suite: str) -> str:
 
 def fill_wheelhouse() -> Path:
     """Every wheel the image needs, resolved by this machine's pip (CPU torch)."""
-    house = ROOT / "wheelhouse"
+    house = WHEELHOUSE
     stamp = house / ".kit-filled"
     # The wheels follow the pins only, not the kit's own sources.
     want = json.dumps(pins.build_args("cpu"), sort_keys=True)
@@ -171,7 +171,7 @@ def build(stage: str) -> str:
         "-t",
         tag,
         "-f",
-        str(ROOT / "images" / "cpu" / "Dockerfile"),
+        str(IMAGES_DIR / "cpu" / "Dockerfile"),
     ]
     for key, value in images.build_args("cpu").items():
         cmd += ["--build-arg", f"{key}={base if key == 'BASE_IMAGE' else value}"]

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 from kit import bundle, schema
+from kit.paths import ROOT
 from kit.vllm_tree import mods, pins, trees
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def record(target: str, stage: str) -> dict:
@@ -48,11 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tree = trees.installed().package
     release, _ = mods.tree_version(tree)
-    for line in mods.apply(tree, mods.mods_for_target(args.target, args.stage, release=release)):
+    wanted = mods.mods_for_target(args.target, args.stage, release=release)
+    for line in mods.apply(tree, wanted):
         print(line)
     data = record(args.target, args.stage)
-    if args.stage == "patched" and not data["mods"]:
-        parser.exit(1, "error: patched stage but no mods recorded beside vllm\n")
+    if wanted and not data["mods"]:
+        parser.exit(1, f"error: {args.stage} stage but no mods recorded beside vllm\n")
     args.out.write_text(json.dumps(schema.stamp("image-record", data), indent=1) + "\n")
     print(json.dumps(data))
     return 0

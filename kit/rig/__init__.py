@@ -1,3 +1,2 @@
 """The scheduler-level science: vLLM's real scheduler and KV-cache manager driven with
-simulated model outputs (the grid, release tables, stress, loss sweep), and the checks of
-the kit's CPU kernels against vLLM's Triton kernels."""
+simulated model outputs (the grid, release tables, stress, loss sweep)."""

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from kit import schema
 from kit.geometry.geometry_model import Case, Geometry, expected
+from kit.paths import RESULTS
 from kit.rig.regress import eagle_specific_loss
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = (64, 128, 384, 2144)
 UNITS = (16, 32)
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=20_000, help="geometries (%(default)s)")
     parser.add_argument("--seed", type=int, default=20261203, help="(%(default)s)")
     parser.add_argument(
-        "--out", type=Path, default=ROOT / "results" / "loss-sweep.json", help="(%(default)s)"
+        "--out", type=Path, default=RESULTS / "loss-sweep.json", help="(%(default)s)"
     )
     args = parser.parse_args(argv)
     if args.count < 1:

@@ -1,9 +1,53 @@
-"""`make regress`: measure every geometry on the unpatched and the patched tree, report both.
+"""`make regress [VLLM=<release>]`: the geometry grid on every tree of one vLLM release.
 
-Each tree is measured in its own process (vLLM can be imported once per
-process). Results: a terminal table, ``regression.json`` and ``regression.md``
-under ``results/regression/``. Exit status 1 when the patched tree misses an
-expectation or does worse than the unpatched one anywhere.
+One path for every release pins.toml names, the pinned one included: its trees by
+stage (``kit.vllm_tree.releases.trees_of``: stock, unpatched and, where a fix is
+made for the release, patched), each measured in a process of its own (vLLM is
+imported once per process; ``measure`` is that process's work), in every
+checkpoint regime and with every hashing the release has:
+
+- ``lookahead``: a release's default hashing where each key also covers the L tokens
+  the drafter reads past it (no one-unit drop for EAGLE/MTP);
+- ``legacy``: no lookahead tokens (``hash_lookahead`` 0): a release's default where
+  it has no lookahead hashes, else ``disable_lookahead_block_hashes`` (what KV
+  connectors get). Which a release has is read from what it measures, never from
+  its name.
+
+Columns are ``<stage>/<hashing>``, the stock tree's ``stock/<hashing>``. Each
+case's cell in a column has one verdict, the same words for every release:
+
+- ``ok``: the follow-up resumed at the ideal: the last hash boundary B shares,
+  less EAGLE's unit with legacy hashes, including the L lookahead tokens with
+  lookahead hashes (``lookahead_ideal``);
+- ``loss``: below the ideal, where the geometry model (``expected``) puts it;
+- ``DIFFERS``: a hit the geometry model does not predict for that tree (with its
+  switch: patched or not, read from the tree's mods) and hashing;
+- ``STALE STATE``: B resumed from a state not made by its own prefix.
+
+Two words against the ideal and two failures, because a table is read for two
+things: where each tree stands against what is possible (ok/loss), and whether
+the measurement is to be trusted (DIFFERS/STALE STATE, in capitals so they stand
+out). The stock tree (the release as installed) is not what the model describes
+(the model is of the unpatched tree, which carries the defect fixes): it gets
+``ok``/``loss``/``STALE STATE`` and is compared with unpatched case by case
+(``stock_against_unpatched``), and never fails the run.
+
+Beside the verdicts, per hashing: the fix's effect on each case, patched against
+unpatched (``fix_effect``: ``fixed`` unpatched below the ideal and patched at it,
+``better`` higher but short of it, ``same``, ``WORSE``); the EAGLE-specific loss
+(the hit without speculation, less what EAGLE is entitled to, minus the hit); a
+conversation's later turns (``kit.rig.later_turns``); and whether the cache
+geometry (``sched_harness.cache_geometry``: block and page sizes, block counts) is
+the same on every tree.
+
+One failure rule (``failures``): the run fails (exit 1) on a ``DIFFERS`` or
+``STALE STATE`` on unpatched or patched, a case the fix makes ``WORSE``, a later
+turn that is not ``ok``, or a cache geometry that is not the same on every tree.
+
+Results: ``regression.json`` and ``regression.md`` per regime and ``grid.png``
+under ``--out`` (default ``results/regression/``, a release other than the pinned
+one in its ``<release>/`` folder: ``releases.results_dir``); the split regime at
+the top, the internal ones in ``internal-1/`` and ``internal-grid/``.
 """
 
 from __future__ import annotations
@@ -16,27 +60,28 @@ import tempfile
 from collections import Counter
 from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from kit import schema
 from kit.geometry.geometry_cases import all_cases
 from kit.geometry.geometry_model import Case, expected, lookahead_ideal
+from kit.paths import ROOT
 from kit.rig import later_turns
-from kit.vllm_tree import pins, trees
+from kit.vllm_tree import pins, releases, trees
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = ROOT / "results" / "regression"
+HASHINGS = ("lookahead", "legacy")
+STOCK_LABEL = "stock"
+FAILING = ("DIFFERS", "STALE STATE")
 
 
 def measure(
     model_dir: Path, fix: bool, lookahead_hashes: bool = True, checkpoints: str = "split"
 ) -> dict:
-    """Run in a process whose ``vllm`` is the tree under test; ``checkpoints``: the regime."""
+    """Run in a process whose ``vllm`` is the tree under test (``trees.prepare`` done);
+    ``checkpoints``: the regime."""
     import vllm
 
-    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-        # A release tree from its sdist (kit/vllm_tree/releases.py).
-        import kit.vllm_tree.release_plugin  # noqa: F401
     from kit.rig.sched_harness import cache_geometry, run_case
 
     rows = {}
@@ -71,62 +116,66 @@ def measure(
     }
 
 
+def tree_record(tree: trees.Tree) -> dict:
+    """What a table says of the tree a measurement ran on."""
+    return {
+        "stage": tree.name,
+        "release": tree.release,
+        "patched": tree.patched,
+        "stock": tree.stock,
+        "from_sdist": tree.from_sdist,
+    }
+
+
+def image_tree_record(stage: str, record: dict | None) -> dict:
+    """``tree_record`` of an image's own vllm, from the image's record
+    (``kit.images.image_stage``: release and mods)."""
+    record = record or {}
+    return {
+        "stage": stage,
+        "release": record.get("vllm_version"),
+        "patched": trees.carries_fix([m["name"] for m in record.get("mods", [])]),
+        "stock": False,
+        "from_sdist": False,
+    }
+
+
 def measure_on(
-    tree: trees.Tree,
-    model_dir: Path,
-    fix: bool,
-    legacy_hashes: bool = False,
-    checkpoints: str = "split",
+    tree: trees.Tree, model_dir: Path, legacy_hashes: bool = False, checkpoints: str = "split"
 ) -> dict:
-    """Every geometry, measured in a subprocess that imports exactly this tree's vllm."""
+    """Every geometry, measured in a subprocess that imports exactly this tree's vllm and
+    is told on its command line what the tree is (``Tree.child_args``: the fix's switch
+    on a patched tree, the release plugin on a tree from an sdist)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [
-            sys.executable,
-            "-m",
-            "kit.rig.regress_cli",
-            "measure",
-            "--model-dir",
-            str(model_dir),
-        ]
-        cmd += ["--out", out.name, "--checkpoints", checkpoints]
-        cmd += ["--fix"] if fix else []
+        cmd = [sys.executable, "-m", "kit.rig.regress_cli", "measure"]
+        cmd += ["--model-dir", str(model_dir), "--out", out.name, "--checkpoints", checkpoints]
+        cmd += tree.child_args()
         cmd += ["--legacy-hashes"] if legacy_hashes else []
         subprocess.run(cmd, check=True, env=tree.env(VLLM_LOGGING_LEVEL="ERROR"), cwd=ROOT)
         data = schema.unstamp("regress-measure", json.loads(Path(out.name).read_text()), out.name)
     if not data["vllm_file"].startswith(str(tree.package)):
         raise RuntimeError(f"{tree}: measured {data['vllm_file']}, not this tree")
     data["mods_record"] = tree.mods_record()
+    data["tree"] = tree_record(tree)
     return data
 
 
 def measure_many(
-    runs: dict[Hashable, tuple[trees.Tree, bool, bool, str]], model_dir: Path
+    runs: dict[Hashable, tuple[trees.Tree, bool, str]], model_dir: Path
 ) -> dict[Hashable, dict]:
-    """``measure_on(tree, model_dir, fix, legacy_hashes, checkpoints)`` for each key, as
-    many at once as there are cores: each is its own single-threaded process."""
+    """``measure_on(tree, model_dir, legacy_hashes, checkpoints)`` for each key, as many at
+    once as there are cores: each is its own single-threaded process."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         jobs = {
-            key: pool.submit(measure_on, tree, model_dir, fix, legacy, regime)
-            for key, (tree, fix, legacy, regime) in runs.items()
+            key: pool.submit(measure_on, tree, model_dir, legacy, regime)
+            for key, (tree, legacy, regime) in runs.items()
         }
         return {key: job.result() for key, job in jobs.items()}
 
 
-def verdict(case: Case, unpatched: int, patched: int) -> str:
-    if (unpatched, patched) != (
-        expected(case, patched=False).hit,
-        expected(case, patched=True).hit,
-    ):
-        return "UNEXPECTED"
-    if patched < unpatched:
-        return "WORSE"
-    if unpatched < case.ideal <= patched:
-        return "fixed"
-    if patched == case.ideal:
-        return "ok"
-    if patched > unpatched:
-        return "better"  # up to the state without speculation, short of the ideal
-    return "known loss"
+def hashing_of(data: dict) -> str:
+    """The hashing a measurement ran with, as it measured: lookahead tokens or none."""
+    return "lookahead" if any(r["hash_lookahead"] for r in data["rows"].values()) else "legacy"
 
 
 def eagle_specific_loss(
@@ -135,10 +184,9 @@ def eagle_specific_loss(
     """What speculation alone costs: (the same A and B without it, less what EAGLE
     is entitled to) - hit.
 
-    None without speculation. With the 0.32.0 hashing EAGLE is entitled to drop
-    one unit; with lookahead hashes (0.33.0 on) to stop at the last boundary B
-    shares together with its lookahead tokens. Anything beyond is lost only
-    because drafting is on.
+    None without speculation. With legacy hashes EAGLE is entitled to drop one
+    unit; with lookahead hashes to stop at the last boundary B shares together
+    with its lookahead tokens. Anything beyond is lost only because drafting is on.
     """
     if not case.eagle:
         return None
@@ -162,112 +210,269 @@ def loss_totals(losses: list[int | None]) -> dict[str, int]:
     }
 
 
-def build_report(unpatched: dict, patched: dict, checkpoints: str = "split") -> dict:
-    rows = []
+def as_measured(case: Case, row: dict) -> Case:
+    """The case with the layer the rig declared: a release whose builder writes no
+    extra states takes the fix's states as chunk ends."""
+    extra = row.get("layer_extra_exports", case.geometry.layer_extra_exports)
+    return replace(case, geometry=replace(case.geometry, layer_extra_exports=extra))
+
+
+def verdict(case: Case, row: dict, patched: bool | None) -> str:
+    """One cell's verdict; ``patched`` None: a stock tree, which the model does not describe."""
+    if not row["state_ok"]:
+        return "STALE STATE"
+    lookahead = row["hash_lookahead"]
+    if (
+        patched is not None
+        and row["hit"] != expected(as_measured(case, row), patched, lookahead).hit
+    ):
+        return "DIFFERS"
+    return "ok" if row["hit"] >= lookahead_ideal(case, lookahead) else "loss"
+
+
+def fix_effect(ideal: int, unpatched: int, patched: int) -> str:
+    """The patched tree's hit against the unpatched tree's, in one case."""
+    if patched < unpatched:
+        return "WORSE"
+    if unpatched < ideal <= patched:
+        return "fixed"
+    return "better" if patched > unpatched else "same"
+
+
+def column(data: dict, hashing: str) -> str:
+    tree = data["tree"]
+    return f"{STOCK_LABEL if tree['stock'] else tree['stage']}/{hashing}"
+
+
+def _roles(measured: dict[tuple[str, str], dict], hashing: str) -> dict[str, dict]:
+    """The trees of one hashing by what they are (read from the trees, not their names):
+    ``stock``, ``base`` (the modelled tree without the fix) and ``fix``."""
+    roles = {}
+    for (_, h), data in measured.items():
+        if h != hashing:
+            continue
+        tree = data["tree"]
+        roles["stock" if tree["stock"] else "fix" if tree["patched"] else "base"] = data
+    return roles
+
+
+def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str = "split") -> dict:
+    """The table of one release and regime from its measurements, keyed (stage, hashing)."""
+    cases = all_cases(checkpoints)
     plain_of = without_speculation()
-    for case_id, case in all_cases(checkpoints):
-        u, p = unpatched["rows"][case_id], patched["rows"][case_id]
-        want = expected(case, patched=True)
-        plain = plain_of[case_id]
-        rows.append(
-            {
-                "case": case_id,
-                "B_phys": case.block,
-                "S": case.shared,
-                "S_mod_H": case.shared % case.unit,
-                "k": case.num_spec,
-                "U": case.tail,
-                "ideal": case.ideal,
-                "heuristic_covers": case.heuristic_covers,
-                "expected": want.hit,
-                "expected_unpatched": expected(case, patched=False).hit,
-                "unpatched": u["hit"],
-                "patched": p["hit"],
-                "eagle_loss_unpatched": eagle_specific_loss(
-                    case, u["hit"], unpatched["rows"][plain]["hit"]
-                ),
-                "eagle_loss_patched": eagle_specific_loss(
-                    case, p["hit"], patched["rows"][plain]["hit"]
-                ),
-                "unpatched_fa": [u["fa_match"], u["fa_eagle"]],
-                "patched_fa": [p["fa_match"], p["fa_eagle"]],
-                "state_ok": u["state_ok"] and p["state_ok"],
-                "verdict": verdict(case, u["hit"], p["hit"])
-                if u["state_ok"] and p["state_ok"]
-                else "STALE STATE",
+    hashings = [h for h in HASHINGS if any(key[1] == h for key in measured)]
+    roles = {h: _roles(measured, h) for h in hashings}
+    paired = [h for h in hashings if {"base", "fix"} <= set(roles[h])]
+    rows = []
+    for case_id, case in cases:
+        line: dict = {
+            "case": case_id,
+            "B_phys": case.block,
+            "S": case.shared,
+            "S_mod_H": case.shared % case.unit,
+            "k": case.num_spec,
+            "U": case.tail,
+        }
+        for (_, hashing), data in measured.items():
+            row = data["rows"][case_id]
+            tree = data["tree"]
+            base = data["rows"][plain_of[case_id]]["hit"]
+            patched = None if tree["stock"] else tree["patched"]
+            cell = {
+                "hit": row["hit"],
+                "ideal": lookahead_ideal(case, row["hash_lookahead"]),
+                "fa": [row["fa_match"], row["fa_eagle"]],
+                "eagle_loss": eagle_specific_loss(case, row["hit"], base, row["hash_lookahead"]),
+                "verdict": verdict(case, row, patched),
             }
-        )
-    later = later_turns.verdicts(unpatched["later_turns"], patched["later_turns"])
+            if patched is not None:
+                model = expected(as_measured(case, row), patched, row["hash_lookahead"])
+                cell["expected"] = model.hit
+            line[column(data, hashing)] = cell
+        for hashing in paired:
+            u = roles[hashing]["base"]["rows"][case_id]
+            p = roles[hashing]["fix"]["rows"][case_id]
+            ideal = lookahead_ideal(case, u["hash_lookahead"])
+            line[f"fix_effect/{hashing}"] = fix_effect(ideal, u["hit"], p["hit"])
+        rows.append(line)
+    modelled = [column(d, h) for (_, h), d in measured.items() if not d["tree"]["stock"]]
+    stock = [column(d, h) for (_, h), d in measured.items() if d["tree"]["stock"]]
+    later = {
+        h: later_turns.verdicts(roles[h]["base"]["later_turns"], roles[h]["fix"]["later_turns"])
+        for h in paired
+    }
+    geometries = {column(d, h): d["geometry"] for (_, h), d in measured.items()}
+    first = next(iter(geometries.values()))
     return {
-        "unit": all_cases()[0][1].unit,
+        "vllm_version": version,
         "checkpoints": checkpoints,
+        "from_sdist": releases.from_sdist(version),
+        "sdist_sha256": releases.release_pins(version)["sdist_sha256"],
+        "hashings": hashings,
+        "trees": {d["tree"]["stage"]: d["tree"] for d in measured.values()},
+        "mods": {
+            d["tree"]["stage"]: [m["name"] for m in d["mods_record"]["mods"]]
+            for d in measured.values()
+        },
+        "unit": cases[0][1].unit,
         "rows": rows,
-        "summary": dict(Counter(r["verdict"] for r in rows)),
+        "summary": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in modelled},
+        "stock": {k: dict(Counter(r[k]["verdict"] for r in rows)) for k in stock},
+        "stock_against_unpatched": {
+            h: _stock_against_unpatched(rows, roles[h], h)
+            for h in hashings
+            if {"stock", "base"} <= set(roles[h])
+        },
+        "fix_effect": {h: dict(Counter(r[f"fix_effect/{h}"] for r in rows)) for h in paired},
         "eagle_specific_loss": {
-            tree: loss_totals([r[f"eagle_loss_{tree}"] for r in rows])
-            for tree in ("unpatched", "patched")
+            k: loss_totals([r[k]["eagle_loss"] for r in rows]) for k in modelled
         },
         "later_turns": later,
-        "later_turns_summary": later_turns.summary(later),
-        "geometry_identical": unpatched["geometry"] == patched["geometry"],
-        "geometry": patched["geometry"],
+        "later_turns_summary": {h: later_turns.summary(rows) for h, rows in later.items()},
+        "geometry_identical": all(g == first for g in geometries.values()),
+        "geometry_differs": sorted(k for k, g in geometries.items() if g != first),
+        "geometry": first,
         "run": {
-            "trees": {"unpatched": unpatched["mods_record"], "patched": patched["mods_record"]},
+            "trees": {d["tree"]["stage"]: d["mods_record"] for d in measured.values()},
             "pins_sha256": pins.file_sha256(),
-            "vllm_version": pins.get("vllm.version"),
         },
     }
+
+
+def _stock_against_unpatched(rows: list[dict], role: dict[str, dict], hashing: str) -> dict:
+    """Where the stock tree resumes other than the unpatched one (the model's tree)."""
+    stock, base = column(role["stock"], hashing), column(role["base"], hashing)
+    differs = [r["case"] for r in rows if r[stock]["hit"] != r[base]["hit"]]
+    return {"same": len(rows) - len(differs), "differs": differs}
+
+
+def failures(report: dict) -> list[str]:
+    """The one failure rule, every release: what fails the run (empty: it passes)."""
+    found = [
+        f"{key}: {count} {word}"
+        for key, summary in report["summary"].items()
+        for word, count in summary.items()
+        if word in FAILING
+    ]
+    found += [
+        f"fix effect, {h} hashes: {effects['WORSE']} WORSE"
+        for h, effects in report["fix_effect"].items()
+        if effects.get("WORSE")
+    ]
+    found += [
+        f"later turns, {h} hashes: {summary}"
+        for h, summary in report["later_turns_summary"].items()
+        if set(summary) - {"ok"}
+    ]
+    if not report["geometry_identical"]:
+        found.append(f"cache geometry differs on {', '.join(report['geometry_differs'])}")
+    return found
 
 
 REGIME_NOTE = (
     "Checkpoint regimes: `split` = the scheduler ends a prefill chunk where a Mamba/GDN "
     "state is kept (vLLM's CPU and Triton GDN paths, HIP GDN on gfx1151); `internal-1` = the "
     "layer exports the state from inside one forward pass at any offset (Mamba2, e.g. "
-    "Nemotron-H); `internal-grid` = the same on lcm(H, 64) (Qwen GDN on FlashInfer: 0.34.0 "
-    "on Hopper, Blackwell and GB10)."
+    "Nemotron-H); `internal-grid` = the same on lcm(H, 64) (Qwen GDN on FlashInfer, on "
+    "Hopper, Blackwell and GB10, from the release whose FlashInfer GDN exports states)."
+)
+
+READING = (
+    "Verdicts per cell (every release alike): `ok` = resumed at the ideal (the last hash "
+    "boundary B shares, less EAGLE's unit with legacy hashes, including the lookahead "
+    "tokens with lookahead hashes); `loss` = below it, where the geometry model puts it; "
+    "`DIFFERS` = a hit the geometry model does not predict for that tree and hashing; "
+    "`STALE STATE` = B resumed from a state not made by its own prefix. Stock (the release "
+    "as installed, no mod) is not what the model describes and is compared with unpatched "
+    "instead. The run fails on DIFFERS or STALE STATE on unpatched or patched, a case the "
+    "fix makes WORSE, a later turn that is not ok, or a cache geometry that differs between "
+    "trees. `eagle_loss` = (the same A and B without speculation, less what EAGLE is "
+    "entitled to) - hit: what speculation alone costs."
 )
 
 
 def regime_dir(out: Path, regime: str) -> Path:
-    """The split tables stay where they always were; the internal ones beside them."""
+    """The split tables at the top of a release's folder; the internal ones beside them."""
     return out if regime == "split" else out / regime
 
 
-COLUMNS = (
-    "case",
-    "ideal",
-    "unpatched",
-    "patched",
-    "eagle_loss_unpatched",
-    "eagle_loss_patched",
-    "heuristic_covers",
-    "verdict",
-)
+def table_columns(report: dict) -> list[str]:
+    """The table's tree columns, stock first."""
+    return [*report["stock"], *report["summary"]]
 
 
-def render_markdown(report: dict) -> str:
+def terminal_table(report: dict) -> list[list]:
+    """One line per case: its hits (ideal) and verdicts per column."""
+    keys = table_columns(report)
+    return [
+        [r["case"]]
+        + [f"{r[k]['hit']} ({r[k]['ideal']})" for k in keys]
+        + [r[k]["verdict"] for k in keys]
+        + [r.get(f"fix_effect/{h}", "-") for h in report["fix_effect"]]
+        for r in report["rows"]
+    ]
+
+
+def table_headers(report: dict) -> list[str]:
+    keys = table_columns(report)
+    return [
+        "case",
+        *(f"{k} hit (ideal)" for k in keys),
+        *keys,
+        *(f"fix effect/{h}" for h in report["fix_effect"]),
+    ]
+
+
+def render(report: dict) -> str:
+    """The table as Markdown."""
     from tabulate import tabulate
 
-    lines = [
-        f"# Regression: follow-up resume under EAGLE/MTP, vLLM {report['run']['vllm_version']}, "
-        f"checkpoint regime `{report.get('checkpoints', 'split')}`",
-        "",
-        REGIME_NOTE,
-        "",
-        f"H = {report['unit']}. `ideal` = floor(S/H)*H, less H under EAGLE (k > 0). "
-        "`heuristic_covers` = U < 2H - (S mod H) under EAGLE.",
-        "",
-        f"Summary: {report['summary']}; cache geometry identical across trees: "
-        f"{report['geometry_identical']}.",
-        "",
-        "`eagle_loss_*` = (the same A and B without speculation, less H) - hit: what "
-        "speculation alone costs. Cases with a loss and tokens lost, per tree: "
-        f"{report['eagle_specific_loss']}.",
-        "",
-        tabulate(
-            [[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS, tablefmt="github"
-        ),
-        "",
-        *later_turns.render("0.32.0 hashing", report.get("later_turns", [])),
-    ]
-    return "\n".join(lines)
+    source = (
+        f"from its sdist (sha256 {report['sdist_sha256'][:12]})"
+        if report["from_sdist"]
+        else "the .venv's CPU wheel"
+    )
+    mods_line = "; ".join(
+        f"{STOCK_LABEL if report['trees'][stage]['stock'] else stage}: {', '.join(names) or 'none'}"
+        for stage, names in report["mods"].items()
+    )
+    if not any(t["patched"] for t in report["trees"].values()):
+        mods_line += " (no fix made for this release: unpatched only)"
+    return "\n".join(
+        [
+            f"# Regression on vLLM {report['vllm_version']} ({source}), checkpoint regime "
+            f"`{report['checkpoints']}`",
+            "",
+            READING,
+            "",
+            REGIME_NOTE,
+            "",
+            f"H = {report['unit']}. Hashings measured: {', '.join(report['hashings'])}.",
+            "",
+            f"Mods: {mods_line}.",
+            "",
+            f"Summary: {report['summary']}",
+            "",
+            f"Fix effect (patched against unpatched): {report['fix_effect']}",
+            "",
+            f"Stock: {report['stock']}; against unpatched: "
+            + str(
+                {
+                    h: {"same": s["same"], "differs": len(s["differs"])}
+                    for h, s in report["stock_against_unpatched"].items()
+                }
+            ),
+            "",
+            f"EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}",
+            "",
+            f"Cache geometry identical across trees: {report['geometry_identical']}.",
+            "",
+            tabulate(terminal_table(report), headers=table_headers(report), tablefmt="github"),
+            "",
+            *(
+                line
+                for hashing, rows in report["later_turns"].items()
+                for line in later_turns.render(f"{hashing} hashes", rows)
+            ),
+        ]
+    )

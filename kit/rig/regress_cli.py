@@ -1,34 +1,112 @@
-"""`make regress` / `kit regress`: measure every geometry on the unpatched and the
-patched tree, report both.
+"""`make regress [VLLM=<release>]` / `kit regress [--vllm RELEASE] [--out FOLDER]`: the
+geometry grid on every tree of one vLLM release (default: the pinned one), every
+checkpoint regime and every hashing the release has, reported by ``kit.rig.regress``
+(its docstring: the verdicts and the one failure rule).
 
-Each tree is measured in its own process (vLLM can be imported once per
-process): ``measure`` is that process's entry. Results: a terminal table,
-``regression.json`` and ``regression.md`` under ``results/regression/``. Exit
-status 1 when the patched tree misses an expectation or does worse than the
-unpatched one anywhere. The command lives apart from ``kit.rig.regress`` (the
-measurements and the report) so that ``kit.rig.release_report``, which reuses them,
-and this command, which hands a later release to it, import no cycle.
+Each tree is measured in its own process (vLLM can be imported once per process):
+``measure`` is that process's entry, told on its command line what it runs
+(``--fix``: the patched tree's switch on; ``--from-sdist``: a tree from the
+release's sdist, which loads ``kit.vllm_tree.release_plugin``). Results: a
+terminal summary, ``regression.json`` and ``regression.md`` per regime and
+``grid.png`` under ``--out``. Exit status 1 when ``regress.failures`` finds any.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 from kit import bundle, schema
 from kit.geometry.geometry_model import REGIMES
-from kit.rig.regress import (
-    COLUMNS,
-    DEFAULT_OUT,
-    build_report,
-    measure,
-    measure_many,
-    regime_dir,
-    render_markdown,
-)
-from kit.vllm_tree import pins, trees
+from kit.paths import REGRESSION_RESULTS
+from kit.rig import regress
+from kit.vllm_tree import mods, releases, sdists, trees
+
+
+def measure_all(
+    tree_of: dict[str, trees.Tree], model_dir: Path, regimes: tuple[str, ...]
+) -> dict[tuple[str, str, str], dict]:
+    """Every tree in every regime with the release's default hashing, then, where that
+    hashing has lookahead tokens, once more with them disabled: (stage, hashing,
+    regime) -> the measurement. Which hashings a release has is read from what it
+    measured."""
+    first = regress.measure_many(
+        {
+            (stage, regime): (tree, False, regime)
+            for stage, tree in tree_of.items()
+            for regime in regimes
+        },
+        model_dir,
+    )
+    default = {regress.hashing_of(data) for data in first.values()}
+    if len(default) != 1:
+        raise RuntimeError(f"the trees measured different default hashings: {sorted(default)}")
+    hashing = default.pop()
+    measured = {(stage, hashing, regime): data for (stage, regime), data in first.items()}
+    if hashing != "legacy":
+        legacy = regress.measure_many(
+            {
+                (stage, regime): (tree, True, regime)
+                for stage, tree in tree_of.items()
+                for regime in regimes
+            },
+            model_dir,
+        )
+        measured |= {(stage, "legacy", regime): data for (stage, regime), data in legacy.items()}
+    # Columns in stage order, each stage's hashings together.
+    order = {stage: i for i, stage in enumerate(tree_of)}
+    return dict(
+        sorted(measured.items(), key=lambda kv: (order[kv[0][0]], regress.HASHINGS.index(kv[0][1])))
+    )
+
+
+def run(
+    version: str | None = None,
+    out: Path | None = None,
+    quiet: bool = False,
+    regimes: tuple[str, ...] = REGIMES,
+) -> int:
+    """Measure one release (default: the pinned one), write its tables under ``out``
+    (default: ``releases.results_dir(results/regression, release)``); 1 on a failure."""
+    from tabulate import tabulate
+
+    from kit.weights.tiny_model import write_tiny_model
+
+    try:
+        version = releases.resolve(version)
+        # Trees first, one at a time: a missing one is built, and two builders must not race.
+        tree_of = releases.trees_of(version)
+    except (releases.ReleaseError, mods.ModError, sdists.SdistError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)
+    out = out or releases.results_dir(REGRESSION_RESULTS, version)
+    with tempfile.TemporaryDirectory() as tmp:
+        measured = measure_all(tree_of, write_tiny_model(Path(tmp) / "tiny"), regimes)
+    failed = []
+    for regime in regimes:
+        of_regime = {(st, h): data for (st, h, r), data in measured.items() if r == regime}
+        report = regress.build(version, of_regime, regime)
+        where = regress.regime_dir(out, regime)
+        bundle.write_regression(where, report, regress.render(report))
+        if not quiet:
+            print(tabulate(regress.terminal_table(report), headers=regress.table_headers(report)))
+        print(f"[{regime}] summary: {report['summary']}")
+        print(f"[{regime}] stock: {report['stock']}")
+        print(f"[{regime}] fix effect: {report['fix_effect']}")
+        print(f"[{regime}] EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
+        print(f"[{regime}] later turns: {report['later_turns_summary']}")
+        print(f"[{regime}] cache geometry identical across trees: {report['geometry_identical']}")
+        print(f"[{regime}] wrote {where / 'regression.json'} and regression.md")
+        failed += [f"[{regime}] {problem}" for problem in regress.failures(report)]
+    from kit.rig.regression_figure import figure_for
+
+    print(f"wrote {figure_for(out, f'Follow-up resume per grid case, vLLM {version}')}")
+    for problem in failed:
+        print(f"FAILED {problem}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,82 +116,43 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd")
     m = sub.add_parser("measure", help="(internal) measure the tree this process imports")
     m.add_argument("--model-dir", type=Path, required=True, help="the tiny model's config")
-    m.add_argument("--out", type=Path, required=True)
-    m.add_argument("--fix", action="store_true", help="turn on the patched tree's switch")
+    m.add_argument("--out", type=Path, required=True, help="the measurement's JSON file")
+    m.add_argument(trees.FIX_ARG, action="store_true", help="turn on the patched tree's switch")
     m.add_argument(
-        "--legacy-hashes", action="store_true", help="disable lookahead block hashes (0.33.0+)"
+        trees.FROM_SDIST_ARG,
+        action="store_true",
+        help="the tree is a release's sdist sources (loads kit.vllm_tree.release_plugin)",
+    )
+    m.add_argument(
+        "--legacy-hashes",
+        action="store_true",
+        help="disable lookahead block hashes (a release that has them)",
     )
     m.add_argument("--checkpoints", choices=REGIMES, default="split", help="checkpoint regime")
     parser.add_argument(
         "--vllm",
-        metavar="VERSION",
-        help="measure this release from pins.toml [releases] (default: the pinned vllm.version); "
-        "writes results/regression/<VERSION>/",
+        metavar="RELEASE",
+        help="a release from pins.toml, or 'newest' (default: the pinned one)",
     )
     parser.add_argument(
         "--out",
         type=Path,
-        default=DEFAULT_OUT,
-        help="where regression.json/.md go (default: %(default)s)",
+        help="the folder the tables and the figure go to (default: results/regression, a "
+        "release other than the pinned one in its <release>/ folder)",
     )
-    parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    parser.add_argument("--quiet", action="store_true", help="print only the summaries")
     args = parser.parse_args(argv)
     if args.cmd == "measure":
-        args.out.write_text(
-            json.dumps(
-                schema.stamp(
-                    "regress-measure",
-                    measure(
-                        args.model_dir,
-                        args.fix,
-                        lookahead_hashes=not args.legacy_hashes,
-                        checkpoints=args.checkpoints,
-                    ),
-                )
-            )
+        trees.prepare(args.from_sdist)
+        data = regress.measure(
+            args.model_dir,
+            args.fix,
+            lookahead_hashes=not args.legacy_hashes,
+            checkpoints=args.checkpoints,
         )
+        args.out.write_text(json.dumps(schema.stamp("regress-measure", data)))
         return 0
-    if args.vllm and args.vllm != pins.get("vllm.version"):
-        from kit.rig import release_report
-
-        return release_report.run(args.vllm, args.quiet)
-
-    from tabulate import tabulate
-
-    from kit.weights.tiny_model import write_tiny_model
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_model(Path(tmp) / "tiny")
-        runs = {
-            (name, regime): (trees.pinned(name), name == "patched", False, regime)
-            for name in trees.TREE_NAMES
-            for regime in REGIMES
-        }
-        measured = measure_many(runs, model_dir)
-    failed = False
-    for regime in REGIMES:
-        report = build_report(measured["unpatched", regime], measured["patched", regime], regime)
-        out = regime_dir(args.out, regime)
-        bundle.write_regression(out, report, render_markdown(report))
-        if not args.quiet:
-            print(tabulate([[r[c] for c in COLUMNS] for r in report["rows"]], headers=COLUMNS))
-        print(
-            f"[{regime}] summary: {report['summary']}  "
-            f"geometry identical: {report['geometry_identical']}"
-        )
-        print(
-            f"[{regime}] EAGLE-specific loss (cases, tokens) per tree: "
-            f"{report['eagle_specific_loss']}"
-        )
-        print(f"[{regime}] wrote {out / 'regression.json'} and regression.md")
-        print(f"[{regime}] later turns: {report['later_turns_summary']}")
-        bad = {"UNEXPECTED", "WORSE", "STALE STATE"} & set(report["summary"])
-        bad |= set(report["later_turns_summary"]) - {"ok"}
-        failed |= bool(bad) or not report["geometry_identical"]
-    from kit.rig.regression_figure import figure_for
-
-    print(f"wrote {figure_for(args.out, 'Follow-up resume per grid case, pinned release')}")
-    return 1 if failed else 0
+    return run(args.vllm, args.out, args.quiet)
 
 
 if __name__ == "__main__":

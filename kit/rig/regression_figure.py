@@ -6,7 +6,7 @@ nothing (a case whose ideal is 0 is grey). Speculative cases that lose tokens
 to speculation alone (the EAGLE-specific loss) get a dark mark under the cell.
 Drawn from the committed ``regression.json`` tables, so it needs no vLLM:
 ``python -m kit.rig.regression_figure results/regression`` writes ``grid.png`` for
-the pinned release there and in each ``<release>/`` folder.
+each release's tables: there and in each ``<release>/`` folder.
 """
 
 from __future__ import annotations
@@ -37,16 +37,8 @@ def _colour(hit: int, ideal: int) -> tuple[int, int, int]:
 
 def strips_of(table: dict) -> list[tuple[str, list[tuple[int, int, bool]]]]:
     """(label, [(hit, ideal, eagle-specific loss?) per case]) for one regime's table:
-    the pinned release's (unpatched/patched columns) or a later one's (stage/hashing)."""
+    one strip per tree column (``<stage>/<hashing>``), every release alike."""
     rows = table["rows"]
-    if "unpatched" in rows[0]:
-        return [
-            (
-                tree,
-                [(r[tree], r["ideal"], (r[f"eagle_loss_{tree}"] or 0) > 0) for r in rows],
-            )
-            for tree in ("unpatched", "patched")
-        ]
     keys = [k for k in rows[0] if isinstance(rows[0][k], dict)]
     return [
         (key, [(r[key]["hit"], r[key]["ideal"], (r[key]["eagle_loss"] or 0) > 0) for r in rows])
@@ -100,15 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("tables", type=Path, help="results/regression (the pinned release's)")
+    parser.add_argument("tables", type=Path, help="results/regression")
     args = parser.parse_args(argv)
     if not (args.tables / "regression.json").is_file():
         print(f"error: no regression.json in {args.tables}; run make regress", file=sys.stderr)
         return 2
-    written = [figure_for(args.tables, "Follow-up resume per grid case, pinned release")]
-    for sub in sorted(p for p in args.tables.iterdir() if (p / "regression.json").is_file()):
-        if sub.name not in REGIMES:
-            written.append(figure_for(sub, f"Follow-up resume per grid case, vLLM {sub.name}"))
+    folders = [args.tables]
+    folders += sorted(
+        p
+        for p in args.tables.iterdir()
+        if (p / "regression.json").is_file() and p.name not in REGIMES
+    )
+    written = []
+    for folder in folders:
+        release = json.loads((folder / "regression.json").read_text())["vllm_version"]
+        written.append(figure_for(folder, f"Follow-up resume per grid case, vLLM {release}"))
     for path in written:
         if path:
             print(f"wrote {path}")

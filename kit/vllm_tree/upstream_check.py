@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kit import bundle, schema
+from kit.paths import RESULTS, ROOT, UPSTREAM_SUITE_RESULTS
 from kit.vllm_tree import mods, releases, sdists, trees, upstream_suite
 
-ROOT = Path(__file__).resolve().parents[2]
 UPSTREAM = ROOT / "upstream"
-OUT = ROOT / "results" / "upstream-check.json"
+OUT = RESULTS / "upstream-check.json"
 
 
 class CheckError(RuntimeError):
@@ -99,7 +99,7 @@ def tree_of(source: Path, release: str, name: str) -> trees.Tree:
         name,
         source / "vllm",
         extra_paths=(releases.ensure_deps(release),),
-        extra_env={"VLLM_TARGET_DEVICE": "cpu"},
+        from_sdist=True,  # a source checkout: Python sources only, as an sdist's
     )
 
 
@@ -135,7 +135,7 @@ def same_as_mod(change: Change, patched: Path, work: Path) -> list[str]:
 
 def suite_against_pristine(change: Change, source: Path) -> dict:
     """The v1 core suite on the patched source; what pristine passes it must pass."""
-    pristine_junit = ROOT / "results" / "upstream-suite" / change.release / "upstream-pristine.xml"
+    pristine_junit = UPSTREAM_SUITE_RESULTS / change.release / "upstream-pristine.xml"
     if not pristine_junit.is_file():
         raise CheckError(
             f"no pristine outcomes for {change.release} ({pristine_junit}); "

@@ -3,12 +3,13 @@
 The suite is vLLM's whole ``tests/v1/core`` plus the ``tests/v1/worker`` files
 that test what the mods change (``SUITE``), from the release's source
 distribution (through pip's configured index, sha256 checked): the pinned
-release by default, ``--vllm <release>`` (`make upstream-suite VLLM=0.34.0`) a
-later one from pins.toml [releases], run against that release's trees
-(kit/vllm_tree/releases.py). Trees: pristine (the release as installed, no mod),
-unpatched (plus the enablement and correctness mods) and patched (plus the fix).
-Each tree must pass every case the tree below it passes: unpatched against
-pristine, patched against unpatched.
+release by default, ``--vllm <release>`` (`make upstream-suite VLLM=<release>`)
+any release pins.toml names, run against that release's trees
+(``kit.vllm_tree.releases.trees_of``). Trees: pristine (the release as installed,
+no mod), unpatched (plus the enablement and correctness mods) and patched (plus
+the fix). Each tree must pass every case the tree below it passes: unpatched
+against pristine, patched against unpatched. Results:
+``results/upstream-suite/[<release>/]`` (``releases.results_dir``).
 
 The cases read hub models' configs from an offline cache the kit writes
 (kit/vllm_tree/offline_hub.py); every case that cannot run here is excluded by
@@ -31,11 +32,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kit import bundle, schema
+from kit.paths import CACHE, UPSTREAM_SUITE_RESULTS
 from kit.process_group import stop_group
-from kit.vllm_tree import mods, offline_hub, pins, sdists, trees
+from kit.vllm_tree import mods, offline_hub, pins, releases, sdists, trees
 
-ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache"
 # vLLM's whole tests/v1/core, and the worker tests of the files the mods change
 # (v1/worker/utils.py: the KV block copies; v1/worker/mamba_utils.py: the
 # align-mode state copies). A path a release lacks is left out for that release.
@@ -44,7 +44,7 @@ EXCLUSIONS = Path(__file__).resolve().parent / "suite_exclusions.toml"
 # Inside the unpacked tests: the offline hub cache the cases read configs from.
 HUB_HOME = ".kit-hf-home"
 # Source folders beyond tests/ that cases read, unpacked where a release has them
-# (0.34.0's prompt-hash cases compare against the Rust client's vectors).
+# (a release's prompt-hash cases may compare against the Rust client's vectors).
 TEST_DATA = ("rust/src/engine-core-client/src/tests",)
 
 
@@ -146,7 +146,7 @@ def pytest_command(tree: trees.Tree, tests_dir: Path, *args: str) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
     cmd += ["-c", str(tests_dir / "pytest.ini"), "--rootdir", str(tests_dir)]
     cmd += ["-p", "kit.vllm_tree.suite_plugin"]
-    if tree.extra_env.get("VLLM_TARGET_DEVICE") == "cpu":
+    if tree.from_sdist:
         cmd += ["-p", "kit.vllm_tree.release_plugin"]
     return [*cmd, *args]
 
@@ -269,49 +269,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm",
         metavar="RELEASE",
-        help="a later release from pins.toml [releases], or 'newest' (default: the pinned one)",
+        help="a release from pins.toml, or 'newest' (default: the pinned one)",
     )
     parser.add_argument(
-        "--out", type=Path, help="a folder (default: results/upstream-suite[/<release>])"
+        "--out",
+        type=Path,
+        help="a folder (default: results/upstream-suite, a release other than the pinned "
+        "one in its <release>/ folder)",
     )
     parser.add_argument(
         "--reuse-flow",
         action="store_true",
-        help="pinned release: read the unpatched and patched outcomes of a container-flow "
-        "run of this kit commit whose images carry these trees' vLLM and mods, instead of "
-        "running them again (the pristine tree runs here)",
+        help="read the unpatched and patched outcomes of a container-flow run of this kit "
+        "commit whose images carry these trees' vLLM and mods, instead of running them "
+        "again (the pristine tree runs here)",
     )
     args = parser.parse_args(argv)
-    from kit.vllm_tree import releases
-
-    out_dir = args.out or ROOT / "results" / "upstream-suite"
     try:
-        if args.vllm == "newest":
-            args.vllm = releases.newest()
-        if args.vllm and args.vllm != pins.get("vllm.version"):
-            releases.release_pins(args.vllm)  # an unknown release: say so before any download
-            sdist = sdists.release(args.vllm, args.sdist)
-            tests_dir = extract_tests(sdist, args.vllm)
-            out_dir = args.out or out_dir / args.vllm
-            under_test = {
-                name: releases.tree(args.vllm, name)
-                for name in ("pristine", *releases.stages(args.vllm))
-            }
-        else:
-            tests_dir = extract_tests(sdists.pinned(args.sdist))
-            # The pinned release as installed: the .venv's own vllm, no mod.
-            under_test = {"pristine": trees.Tree("pristine", trees.venv_vllm())}
-            under_test |= {name: trees.pinned(name) for name in trees.TREE_NAMES}
-        excluded = exclusions(under_test["unpatched"].release)
+        version = releases.resolve(args.vllm)
+        sdist = sdists.release(version, args.sdist)  # an unknown release was refused first
+        tests_dir = extract_tests(sdist, version)
+        out_dir = args.out or releases.results_dir(UPSTREAM_SUITE_RESULTS, version)
+        under_test = releases.trees_of(version)
+        excluded = exclusions(version)
     except (SuiteError, sdists.SdistError, releases.ReleaseError, mods.ModError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if "patched" not in under_test:
-        print(f"error: no mod is made for vLLM {args.vllm}; nothing to compare", file=sys.stderr)
+    if not any(tree.patched for tree in under_test.values()):
+        print(f"error: no fix is made for vLLM {version}; nothing to compare", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
-    modded = {name: tree for name, tree in under_test.items() if name != "pristine"}
-    flow_run = flow_run_of(modded) if args.reuse_flow and not args.vllm else None
+    # A container-flow run is of the images' release and mods: flow_run_of compares them.
+    modded = {name: tree for name, tree in under_test.items() if not tree.stock}
+    flow_run = flow_run_of(modded) if args.reuse_flow else None
     to_run = dict(under_test)
     if flow_run:
         for name in modded:
@@ -332,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     junits = commit_outputs(out_dir, list(under_test))
     results = {name: outcomes(junit) for name, junit in junits.items()}
     report, verdict, ok = compare(results, excluded)
-    report["release"] = under_test["unpatched"].release
+    report["release"] = version
     report["ran_in"] = {
         name: f"results/{flow_run.name} (the images)" if flow_run and name in modded else "host"
         for name in under_test
@@ -342,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-# Each tree must pass every case the tree it is built on passes.
-BUILT_ON = (("pristine", "unpatched"), ("unpatched", "patched"))
+# Each tree must pass every case the tree it is built on passes: each stage against
+# the one before it (kit.vllm_tree.releases.STAGES).
+BUILT_ON = tuple(zip(releases.STAGES[:-1], releases.STAGES[1:], strict=True))
 
 
 def compare(

@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kit.paths import MODELS_DIR, MODELS_LOCK
 from kit.vllm_tree.pins import UNRESOLVED, file_sha256
 
-ROOT = Path(__file__).resolve().parents[2]
-LOCK = ROOT / "models.lock"
-DEFAULT_STORE = Path(os.environ.get("KIT_MODEL_STORE", ROOT / ".models" / "hub"))
+LOCK = MODELS_LOCK
+DEFAULT_STORE = Path(os.environ.get("KIT_MODEL_STORE", MODELS_DIR / "hub"))
 STAMP_DIR = ".kit-verified"
 COMMIT = re.compile(r"[0-9a-f]{40}")
 SHA256 = re.compile(r"[0-9a-f]{64}")

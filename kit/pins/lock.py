@@ -44,11 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kit.paths import CACHE, LOCKS, MODELS_LOCK
 from kit.vllm_tree import pins
 
-ROOT = Path(__file__).resolve().parents[2]
-LOCKS = ROOT / "locks"
-CACHE = ROOT / ".cache"
 TARGETS = ("gb10", "strix", "cpu")
 ARCHES = ("aarch64", "x86_64")
 # The glibc the wheels may need (uv's manylinux platform tag). The images are
@@ -469,7 +467,7 @@ def write_lock(lock: DepLock, body: str, vllm_version: str, torch_index: str) ->
     index = torch_index if lock.torch_index and torch_index else "none"
     head = (
         f"# {lock.name}: hash lock for Python {lock.python} on {lock.platform}, wheels only.\n"
-        "# Made by `make lock-deps` (kit/images/lock.py) from pins.toml"
+        "# Made by `make lock-deps` (kit/pins/lock.py) from pins.toml"
         + (f" and vLLM {vllm_version}'s {', '.join(lock.sdist_files)}" if lock.sdist_files else "")
         + f"; extra index: {index}.\n"
         + (
@@ -521,7 +519,7 @@ def main_deps(args: argparse.Namespace) -> int:
                 print(
                     f"{lock.name}: Python {', '.join(differs)} resolves differently from "
                     f"{lock.python}, so one lock cannot serve both: split it per Python in "
-                    f"kit/images/lock.py (kept {lock.path.name} as it was)",
+                    f"kit/pins/lock.py (kept {lock.path.name} as it was)",
                     flush=True,
                 )
                 continue
@@ -542,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pins", help="resolve the unresolved pins in pins.toml and models.lock")
     p.add_argument("targets", nargs="*", help=f"any of {', '.join(TARGETS)} (default: all)")
     p.add_argument("--pins", type=Path, default=pins.PINS_FILE)
-    p.add_argument("--models", type=Path, default=ROOT / "models.lock")
+    p.add_argument("--models", type=Path, default=MODELS_LOCK)
     p.add_argument(
         "--registry-url",
         action="append",

@@ -3,8 +3,8 @@
 Two sides, two environments. This module runs in the kit's .venv against a
 vLLM tree (``KIT_TREE``, default patched): it draws seeded random cases, runs
 the CPU code the kit's CPU default executes on them, and writes inputs and
-results to ``cases.pt``. ``kit/rig/kernel_check_triton.py`` runs in .venv-triton
-(kit/rig/kernel_env.py: torch, pinned Triton, no vLLM) under Triton's interpreter:
+results to ``cases.pt``. ``kit/kernels/triton_check.py`` runs in .venv-triton
+(kit/kernels/triton_env.py: torch, pinned Triton, no vLLM) under Triton's interpreter:
 it loads vLLM 0.32.0's kernels from the pinned sdist's files, runs them on the
 same inputs and compares.
 
@@ -34,7 +34,7 @@ same inputs and compares.
     (``mamba_chunk_scan_combined_varlen`` with ``return_intermediate_states``, the
     chunk layout from vLLM's own metadata builder). Each case asks for positions
     on and off the kernel's grid, laid out by intent; the Triton side's planners
-    (``kernel_check_triton.gdn_export_plan``: ``p - start`` a multiple of 64, or p
+    (``triton_check.gdn_export_plan``: ``p - start`` a multiple of 64, or p
     the row's end; ``ssd_export_plan``: p a chunk end) must refuse exactly the off
     ones, and the exported states must match a float64 recurrence and, for GDN,
     the CPU export of mod ``cpu-gdn-prefill-checkpoint`` where the tree has it.
@@ -46,10 +46,10 @@ bias off by one in the mod's post-copy decision; ``gdn-position``: each chunk
 state, and each state inside a chunk, taken one token early, and so are the GDN
 exports' references; ``ssd-position``: the SSD exports' references one token
 early) to show the check fails.
-``--export [DIR]`` writes the device bundle (default kit/rig/kernel_check_device):
+``--export [DIR]`` writes the device bundle (default kit/kernels/device_bundle):
 the cases, each release's kernel files and a manifest, all a GPU machine needs
 (torch and Triton; no vLLM, no kit, no network) for ``make device-check``
-(``kernel_check_triton.py --bundle DIR --device cuda``; ``--dry-run`` runs it
+(``triton_check.py --bundle DIR --device cuda``; ``--dry-run`` runs it
 under the interpreter on tiny cases).
 
 Exit status: 0 every case within tolerance; 1 a case is not; 2 could not run.
@@ -70,11 +70,13 @@ from typing import Any
 
 from kit import schema
 from kit.bundle import cpu_kernels
-from kit.rig import kernel_check_triton as triton_side
+from kit.kernels import triton_check as triton_side
+from kit.paths import RESULTS, ROOT
+from kit.vllm_tree import releases as known_releases
 
-ROOT = Path(__file__).resolve().parents[2]
-TRITON_SIDE = ROOT / "kit" / "rig" / "kernel_check_triton.py"
-DEFAULT_OUT = ROOT / "results" / "kernel-check.json"
+HERE = Path(__file__).resolve().parent
+TRITON_SIDE = HERE / "triton_check.py"
+DEFAULT_OUT = RESULTS / "kernel-check.json"
 KERNEL_PATHS = (
     "vllm/v1/worker",
     "vllm/third_party/flash_linear_attention",
@@ -82,13 +84,14 @@ KERNEL_PATHS = (
 )
 PERTURBATIONS = ("align-bias", "gdn-position", "ssd-position")
 KINDS = ("postprocess", "precopy", "batch_memcpy", "gdn", "gdn_export", "ssd_export")
-# Later releases whose FLA and SSD kernels run on the same cases (the kinds that use
-# them only: the align copies are checked against the pinned release's).
-LATER_RELEASES = ("0.34.0",)
+# The later release whose FLA and SSD kernels run on the same cases (the kinds that
+# use them only: the align copies are checked against the pinned release's): the
+# newest in pins.toml.
+LATER_RELEASES = (known_releases.newest(),)
 LATER_KINDS = ("gdn", "gdn_export", "ssd_export")
 # The device bundle (make device-check): cases, kernel files, manifest; in the
 # repository, so that a GPU machine needs nothing else.
-DEVICE_BUNDLE = ROOT / "kit" / "rig" / "kernel_check_device"
+DEVICE_BUNDLE = HERE / "device_bundle"
 # One small case per kind: what the bundle's dry run (CI, no GPU) runs.
 TINY_CASES = {
     "postprocess": "postprocess-float32-conv8-k1-s0",
@@ -102,7 +105,7 @@ TINY_CASES = {
 # The GDN comparison's tolerances, on max |difference| / max |CPU value| over a
 # case. Both kernels take the same bf16 q, k, v and round inside: FLA keeps A,
 # w, u, v_new and the per-chunk h in the input dtype (bf16 on a GPU, fp16
-# under the interpreter: see kernel_check_triton.run_gdn), the CPU kernel
+# under the interpreter: see triton_check.run_gdn), the CPU kernel
 # rounds its own intermediates to bf16 (against a float64 recurrence its
 # states are off by ~0.7 % of their scale). Two independent roundings of
 # ~2^-8 relative each, accumulated over a few chunks: 2 % of the state's scale
@@ -954,7 +957,7 @@ def kernel_sources(dest: Path, version: str | None = None) -> Path:
 def _triton_side(
     python: Path, kernels: Path, cases: Path, out: Path, kinds: tuple[str, ...] | None = None
 ) -> dict[str, Any]:
-    """One run of kernel_check_triton.py in .venv-triton under the interpreter."""
+    """One run of triton_check.py in .venv-triton under the interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("PYTHONPATH", None)  # nothing of the kit's .venv or trees on its path
     command = [
@@ -994,9 +997,9 @@ def run(
     to ``out``; returns it."""
     import torch
 
-    from kit.rig import kernel_env
+    from kit.kernels import triton_env
 
-    python = kernel_env.ensure()
+    python = triton_env.ensure()
     cases = build_cases(perturb, kinds)
     with tempfile.TemporaryDirectory(prefix="kernel-check-") as tmp:
         work = Path(tmp)
@@ -1066,7 +1069,7 @@ def export(dest: Path = DEVICE_BUNDLE, perturb: str | None = None) -> dict[str, 
     """The device bundle: what a GPU machine needs (torch and Triton there, no vLLM, no
     kit, no network): ``cases.pt``, each release's kernel files as
     ``kernels-<version>.tar.gz``, and ``manifest.json`` (their sha256, which kinds run
-    on which release, the dry run's tiny cases). ``kernel_check_triton.py --bundle``
+    on which release, the dry run's tiny cases). ``triton_check.py --bundle``
     runs it; ``make device-check``. Returns the manifest."""
     import torch
 
@@ -1092,8 +1095,8 @@ def export(dest: Path = DEVICE_BUNDLE, perturb: str | None = None) -> dict[str, 
                 "kinds": list(kinds),
             }
     manifest = {
-        "made_by": "kit kernel-check --export (kit/rig/kernel_check.py)",
-        "note": "python kit/rig/kernel_check_triton.py --bundle DIR --device cuda --out R.json",
+        "made_by": "kit kernel-check --export (kit/kernels/check.py)",
+        "note": "python kit/kernels/triton_check.py --bundle DIR --device cuda --out R.json",
         "cases": {"file": "cases.pt", "sha256": pins.file_sha256(dest / "cases.pt")},
         "cpu_port": cases["cpu_port"],
         "releases": releases,
@@ -1175,17 +1178,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"write the device bundle to DIR (default {_shown(DEVICE_BUNDLE)})",
     )
     args = parser.parse_args(argv)
-    from kit.rig import kernel_env
+    from kit.kernels import triton_env
     from kit.vllm_tree import pins, sdists, trees
 
     try:
         trees.select().activate()
         if args.export:
             export(args.export, args.perturb)
-            print(f"{args.export}: make device-check (or kernel_check_triton.py --bundle) runs it")
+            print(f"{args.export}: make device-check (or triton_check.py --bundle) runs it")
             return 0
         result = run(args.out, args.kernels, args.perturb)
-    except (KernelCheckError, kernel_env.KernelEnvError, sdists.SdistError, pins.PinError) as exc:
+    except (KernelCheckError, triton_env.KernelEnvError, sdists.SdistError, pins.PinError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(summary(result))

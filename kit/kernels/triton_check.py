@@ -6,17 +6,17 @@ interpreter (``TRITON_INTERPRET=1``, ``--device cpu``) and on a GPU machine
 with compiled kernels (``--device cuda``), where vLLM's kernel sources travel
 as files.
 
-    python kit/rig/kernel_check_triton.py --kernels DIR --cases cases.pt \
+    python kit/kernels/triton_check.py --kernels DIR --cases cases.pt \
         --device cpu --out result.json
-    python kit/rig/kernel_check_triton.py --bundle kit/rig/kernel_check_device \
+    python kit/kernels/triton_check.py --bundle kit/kernels/device_bundle \
         --device cuda --out result.json          # make device-check
-    python kit/rig/kernel_check_triton.py --bundle kit/rig/kernel_check_device \
+    python kit/kernels/triton_check.py --bundle kit/kernels/device_bundle \
         --dry-run --out result.json              # the same, interpreted, tiny cases
 
 ``DIR`` holds the needed files of a vLLM sdist at their sdist paths:
 ``vllm/v1/worker/mamba_utils.py``, ``vllm/third_party/flash_linear_attention/ops/``
 and ``vllm/model_executor/layers/mamba/ops/`` (the SSD files). ``cases.pt``
-(written by ``kit.rig.kernel_check``) holds each case's inputs and what the
+(written by ``kit.kernels.check``) holds each case's inputs and what the
 kit's CPU ports and a float64 recurrence computed from them. A bundle
 (``--bundle``, written by ``kit kernel-check --export``) holds ``cases.pt``,
 each release's kernel files as ``kernels-<version>.tar.gz`` and a
@@ -194,7 +194,7 @@ def _jit_pieces(source: str, names: set[str], keep: tuple[str, ...] = ()) -> lis
 def _load_extract(source_path: Path, pieces: list[str], name: str, work: Path) -> types.ModuleType:
     # Triton's JIT reads each kernel's source from its file, so the extract is a file.
     target = work / f"{name.replace('.', '_')}.py"
-    header = f"# Extracted from {source_path.name} of the vLLM sdist by kernel_check_triton.py.\n"
+    header = f"# Extracted from {source_path.name} of the vLLM sdist by triton_check.py.\n"
     target.write_text(
         header + "import triton\nimport triton.language as tl\n\n\n" + "\n\n\n".join(pieces) + "\n"
     )
@@ -1097,7 +1097,7 @@ def _split(text: str | None) -> set[str] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", type=Path, help="folder with the sdist files")
-    parser.add_argument("--cases", type=Path, help="cases.pt from kit.rig.kernel_check")
+    parser.add_argument("--cases", type=Path, help="cases.pt from kit.kernels.check")
     parser.add_argument(
         "--bundle", type=Path, help="a bundle folder (cases, kernels per release, manifest)"
     )

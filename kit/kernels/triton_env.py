@@ -34,13 +34,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kit.paths import CACHE, LOCKS, ROOT
 from kit.vllm_tree import pins
 
-ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-triton"
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".kit-kernel-env.json"
-LOCK = ROOT / ".cache" / "venv-triton.lock"
+LOCK = CACHE / "venv-triton.lock"
 # torch's dependencies (for Python 3.11) and numpy (Triton's interpreter computes with it).
 LOCKED = (
     "torch",
@@ -89,7 +89,7 @@ def _sha256(text: str) -> str:
 
 
 def lock_file() -> Path:
-    return ROOT / "locks" / f"cpu-venv-{platform.machine()}.txt"
+    return LOCKS / f"cpu-venv-{platform.machine()}.txt"
 
 
 def locked_requirements(want: dict[str, Any]) -> tuple[Path, str] | None:

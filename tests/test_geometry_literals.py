@@ -1,0 +1,158 @@
+"""The geometry model on a handful of cases, every number written out.
+
+As vLLM's tests/v1/core spell geometry out (``block_size = 16``, ``3 * 16 + 1``
+tokens), each expected number here is a literal with the line of vLLM's rule
+that gives it, so a change to the model that moves one shows which rule moved.
+The rules (docs/defects.md):
+
+* B tokens per block, H tokens per hash unit (``prefix_match_unit``); B is a
+  multiple of H. A prompt of N tokens is A's context of S tokens and a tail of U.
+* 0.32.0 hashing: a follow-up matches at most floor(S/H)*H, and EAGLE/MTP drops
+  one unit of that match; A's prompt checkpoint is floor(N/H)*H - H. Without
+  speculation the last token is recomputed: floor((N-1)/H)*H, no drop.
+* 0.33.0 on (lookahead hashes, L = 1 for EAGLE and MTP): a unit's key also covers
+  the next token, so a follow-up proves floor((S-1)/H)*H, nothing is dropped, and
+  A's checkpoint is floor((N-1)/H)*H.
+* Align mode: state is written at chunk ends, so a chunk that starts inside a
+  block stops at the next block boundary (the scheduler's
+  ``_mamba_block_aligned_split``); a budget too small for the prompt cuts chunks
+  at block boundaries.
+* The fix keeps one more state one unit below A's checkpoint, and one unit below
+  the last block boundary A crosses.
+
+The README's example is the first case: 2048-token blocks, one draft token, a
+2159-token context and a one-token probe. When these were written, vLLM's real
+scheduler (``kit.rig.sched_harness.run_case`` on the 0.32.0 trees, and on
+0.33.0's for the lookahead cases) gave the same chunk ends and hits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kit.geometry.geometry_model import (
+    Case,
+    Geometry,
+    expected,
+    lookahead_ideal,
+    producer_prefill,
+    prompt_checkpoint,
+)
+
+pytestmark = [pytest.mark.cpu]
+
+H = 16
+B = 2048
+EAGLE = Geometry(B, H, num_spec=1)  # split path, budget 8192: one chunk unless stopped
+NO_SPEC = Geometry(B, H)
+
+
+def test_prompt_checkpoint() -> None:
+    # EAGLE: floor(2160/16)*16 = 2160 = 135 units held, one dropped.
+    assert prompt_checkpoint(2160, H, eagle=True) == 2144
+    # EAGLE: floor(2159/16)*16 = 2144 held (the 135th unit is incomplete), one dropped.
+    assert prompt_checkpoint(2159, H, eagle=True) == 2128
+    # No speculation: the last token is recomputed, floor(2159/16)*16.
+    assert prompt_checkpoint(2160, H, eagle=False) == 2144
+    # No speculation, one token past a unit: floor(2160/16)*16.
+    assert prompt_checkpoint(2161, H, eagle=False) == 2160
+    # EAGLE under one unit: floor(15/16)*16 = 0 held, nothing to drop.
+    assert prompt_checkpoint(15, H, eagle=True) == 0
+
+
+@pytest.mark.parametrize(
+    ("shared", "num_spec", "legacy", "lookahead"),
+    [
+        # S mod H = 15. 0.32.0: floor(2159/16)*16 - 16 = 2144 - 16; 0.33.0: floor(2158/16)*16.
+        (2159, 1, 2128, 2144),
+        # S mod H = 0. 0.32.0: 2160 - 16; 0.33.0: floor(2159/16)*16, the boundary unproven.
+        (2160, 1, 2144, 2144),
+        # The README's other S. 0.32.0: floor(1007/16)*16 - 16; 0.33.0: floor(1006/16)*16.
+        (1007, 1, 976, 992),
+        # No speculation: no drop and no lookahead hash, floor(1007/16)*16 on either.
+        (1007, 0, 992, 992),
+    ],
+)
+def test_ideal_resume(shared: int, num_spec: int, legacy: int, lookahead: int) -> None:
+    case = Case(Geometry(B, H, num_spec=num_spec), shared, 1)
+    assert (lookahead_ideal(case, 0), lookahead_ideal(case, 1)) == (legacy, lookahead)
+    assert case.ideal == legacy
+
+
+def test_producer_chunk_ends_on_0_32_0() -> None:
+    readme = Case(EAGLE, 2159, 1)  # N = 2160
+    # The last block A keeps is floor(2160/2048)*2048 - 2048 = 0 (EAGLE drops a block);
+    # the prompt checkpoint floor(2160/16)*16 - 16 = 2144; then the end, 2160.
+    assert producer_prefill(readme, patched=False).ends == (2144, 2160)
+    # The fix adds 2144 - 16 = 2128 and one unit below the block boundary A crosses,
+    # floor(2159/2048)*2048 - 16 = 2032; the chunk from 2032 starts inside a block, so
+    # it stops at the boundary 2048.
+    assert producer_prefill(readme, patched=True).ends == (2032, 2048, 2128, 2144, 2160)
+
+    budget = Case(Geometry(B, H, num_spec=1, budget=B), 5000, 40)  # N = 5040
+    # A 2048-token budget cuts at the blocks 2048 and 4096 (the last one EAGLE keeps is
+    # floor(5040/2048)*2048 - 2048 = 2048); the checkpoint floor(5040/16)*16 - 16 = 5024.
+    assert producer_prefill(budget, patched=False).ends == (2048, 4096, 5024, 5040)
+    # The fix stops at 4096 - 16 = 4080 (below the boundary 5039 crosses), then at the
+    # block boundary 4096 (its chunk starts inside a block), and at 5024 - 16 = 5008.
+    assert producer_prefill(budget, patched=True).ends == (2048, 4080, 4096, 5008, 5024, 5040)
+
+
+@pytest.mark.parametrize(
+    ("shared", "tail", "geometry", "patched", "fa_match", "fa_eagle", "hit"),
+    [
+        # README, unpatched: A's one attention entry past a block is its last unit 2160,
+        # beyond S, so B matches the block 2048, less one unit 2032; A's only state is
+        # 2144: B resumes at 0 and recomputes everything.
+        (2159, 1, EAGLE, False, 2048, 2032, 0),
+        # README, patched: A also keeps 2144's attention entry; B matches
+        # floor(2159/16)*16 = 2144, less one unit, 2128, where the fix kept a state.
+        (2159, 1, EAGLE, True, 2144, 2128, 2128),
+        # S = 1007, N = 1008, inside the first block: unpatched, A's entry 1008 is past S
+        # and no block is full: 0.
+        (1007, 1, EAGLE, False, 0, 0, 0),
+        # Patched: 992 = floor(1007/16)*16 matched, less one unit: the fix's 976.
+        (1007, 1, EAGLE, True, 992, 976, 976),
+        # No speculation: A's checkpoint floor(1007/16)*16 = 992 is B's match, no drop.
+        (1007, 1, NO_SPEC, False, 992, 992, 992),
+        # A 2048-token budget (chunk ends 2048, 4096, 5024): B matches the block 4096
+        # (A's entry 5040 is past S = 5000), less one unit 4080; A's states at or below
+        # are the chunk end 2048.
+        (5000, 40, Geometry(B, H, num_spec=1, budget=B), False, 4096, 4080, 2048),
+        # Patched: the fix's state 4096 - 16 = 4080 is there.
+        (5000, 40, Geometry(B, H, num_spec=1, budget=B), True, 4096, 4080, 4080),
+    ],
+)
+def test_follow_up_on_0_32_0(
+    shared: int,
+    tail: int,
+    geometry: Geometry,
+    patched: bool,
+    fa_match: int,
+    fa_eagle: int,
+    hit: int,
+) -> None:
+    want = expected(Case(geometry, shared, tail), patched)
+    assert (want.fa_match, want.fa_eagle, want.hit) == (fa_match, fa_eagle, hit)
+
+
+@pytest.mark.parametrize(
+    ("shared", "patched", "chunk_ends", "hit"),
+    [
+        # S mod H = 15, N = 2160: A's checkpoint floor(2159/16)*16 = 2144 after the block
+        # 2048 below floor(2159/2048)*2048; B proves floor(2158/16)*16 = 2144, no drop.
+        (2159, False, (2048, 2144, 2160), 2144),
+        # S mod H = 0, N = 2161: A's checkpoint floor(2160/16)*16 = 2160 is past what B
+        # proves, floor(2159/16)*16 = 2144: B falls to the block, 2048.
+        (2160, False, (2048, 2160, 2161), 2048),
+        # Patched: the fix keeps 2160 - 16 = 2144 (and 2048 - 16 = 2032): B resumes at 2144.
+        (2160, True, (2032, 2048, 2144, 2160, 2161), 2144),
+    ],
+)
+def test_follow_up_with_lookahead_hashes(
+    shared: int, patched: bool, chunk_ends: tuple[int, ...], hit: int
+) -> None:
+    want = expected(Case(EAGLE, shared, 1), patched, lookahead=1)
+    assert (want.chunk_ends, want.hit) == (chunk_ends, hit)
+    # Lookahead hashes drop nothing: B resumes at the match itself.
+    assert want.fa_eagle == want.fa_match
