@@ -258,13 +258,11 @@ def internal_checkpoint(case: Case, start: int, lookahead: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Prefill:
-    """A's prefill: chunk ends, the states its layer exports and keeps, the chunk ends
-    whose own state the cache manager never publishes, and which of the kept exports
-    are the fix's (each in a block of its own)."""
+    """A's prefill: chunk ends, the states its layer exports and keeps, and which of
+    the kept exports are the fix's (each in a block of its own)."""
 
     ends: tuple[int, ...]
     kept_exports: tuple[int, ...] = ()
-    unpublished_ends: tuple[int, ...] = ()
     fix_exports: tuple[int, ...] = ()
 
 
@@ -315,12 +313,12 @@ def producer_prefill(
     checkpoint for *every* chunk that could export one at its own end's
     checkpoint position (dense retention ignores where the prefill ends), and
     the worker writes it. Kept only when it is the prompt checkpoint or a block
-    boundary, and then published instead of the chunk end's own partial state;
-    otherwise dropped, and the chunk end published as on the split path (with
-    ``fix-mamba-transient-checkpoint-tail``, in both trees; vLLM itself
-    publishes neither, so a prompt tail the scheduler stopped at was lost).
-    The patched tree (0.32.0) exports the fix's states inside whatever chunk
-    spans them (``fix_exports``), so its chunk ends are the unpatched tree's.
+    boundary, otherwise dropped; either way the chunk end is published as on the
+    split path (``fix-mamba-transient-checkpoint-tail``, in both trees; vLLM
+    itself publishes only a kept export, so a prompt tail the scheduler stopped
+    at was lost). The patched tree exports the fix's states inside whatever
+    chunk spans them where the layer writes extra states (``fix_exports``), so
+    its chunk ends are the unpatched tree's.
 
     ``resume``: the prompt resumed from a cache hit there (0: cold), so its first
     chunk starts there and it keeps none of the fix's states just above it
@@ -339,7 +337,6 @@ def producer_prefill(
     ends: list[int] = []
     kept: list[int] = []
     fix_kept: list[int] = []
-    unpublished: list[int] = []
     start = resume
     while start < n:
         exported = internal_checkpoint(case, start, lookahead) if n - start <= case.budget else 0
@@ -372,7 +369,6 @@ def producer_prefill(
             return Prefill(
                 (*ends, n),
                 (*kept, exported, *extra),
-                tuple(unpublished),
                 (*fix_kept, *extra),
             )
         inside = [s for s in stops if start < s < n and s not in extra]
@@ -386,17 +382,17 @@ def producer_prefill(
             end = (start + case.budget) // b * b
         position = checkpoint_position(end, case, lookahead)
         if _exportable(case, start, end, position) and (position == cp.tail or position % b == 0):
-            # The manager publishes the export instead of the chunk end. A transient
-            # export is dropped and the chunk end published as on the split path
-            # (fix-mamba-transient-checkpoint-tail: vLLM publishes neither).
+            # The manager keys the export (the column below the chunk end's) and,
+            # as for a dropped transient export, publishes the chunk end as on the
+            # split path (fix-mamba-transient-checkpoint-tail; vLLM itself
+            # publishes only the kept export, or neither).
             kept.append(position)
-            unpublished.append(end)
         # The fix's states inside this chunk are exported, not stopped at.
         kept += [p for p in extra if p < end]
         fix_kept += [p for p in extra if p < end]
         ends.append(end)
         start = end
-    return Prefill(tuple(ends), tuple(kept), tuple(unpublished), tuple(fix_kept))
+    return Prefill(tuple(ends), tuple(kept), tuple(fix_kept))
 
 
 def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
@@ -441,11 +437,7 @@ def _producer_states(
     exported = set(prefill.kept_exports)
     mamba_partials = tuple(
         sorted(
-            {
-                p
-                for p in (cp.tail, *cp.extra())
-                if p in ends and p % b and p not in prefill.unpublished_ends
-            }
+            {p for p in (cp.tail, *cp.extra()) if p in ends and p % b}
             | {p for p in exported if p % b}
         )
     )

@@ -55,7 +55,7 @@ def test_an_off_grid_tail_stop_is_published(tiny_model_dir) -> None:
     path does."""
     grid = Case(Geometry(2144, 16, 1, checkpoints="internal-grid"), 2304, 40)
     split = Case(Geometry(2144, 16, 1), 2304, 40)
-    assert producer_prefill(grid, patched=False).unpublished_ends == ()
+    assert producer_prefill(grid, patched=False).ends == (2320, 2344)
     rig, a, _, _ = run_case(tiny_model_dir, grid)
     assert rig.chunk_ends[a.request_id] == [2320, 2344]
     assert rig.partial_entries_of(a.request_id, 1) == [2320]

@@ -1,17 +1,17 @@
 """The kept branch of ``MambaManager._cache_partial_tail_block`` on the real scheduler.
 
-``fix-mamba-transient-checkpoint-tail`` (both trees) mends the branch where a
-chunk's own internal export is transient: the manager evicts it and now
-publishes the chunk end as the split path does. The other branch keeps the
-export (it is the prompt checkpoint, a retained block boundary or the
-shared-prefix junction), re-keys the reserved block at it and returns. It
-never looks at the chunk end. These tests go through the ways that branch can
+``fix-mamba-transient-checkpoint-tail`` (both trees) mends both branches: where
+a chunk's own internal export is transient the manager evicts it, where it is
+kept (the prompt checkpoint, a retained block boundary or the shared-prefix
+junction) it re-keys the reserved block at it; either way it then publishes the
+chunk end as the split path does. vLLM returned from both branches without
+looking at the chunk end. These tests go through the ways the kept branch can
 lose the chunk end's state or publish a wrong one:
 
 - the chunk ends at the prompt checkpoint and its export is kept at a block
-  boundary below it (different column): the chunk end is lost (strict xfail,
-  legacy hashing with EAGLE; a passing twin without speculation says why the
-  other settings never get there);
+  boundary below it (different column): vLLM loses the chunk end (legacy
+  hashing with EAGLE; a twin without speculation says why the other settings
+  never get there), the mod publishes it;
 - the final chunk's export and a block boundary want the same column: the
   boundary's full-block key is replaced, never served with the export's state;
 - a chunk that ends on a block boundary exports one column below it: the chunk
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry.geometry_model import Case, Geometry, producer_prefill
+from kit.geometry.geometry_model import Case, Geometry, expected, producer_prefill
 from kit.rig.sched_harness import MAMBA_GROUP, SchedulerRig, run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
@@ -47,47 +47,30 @@ FOLLOW_UP = list(range(5000, 5040))
 KEPT_BOUNDARY = Case(Geometry(BLOCK, 16, 1, checkpoints="internal-grid"), 416, 4)
 
 
-def test_prompt_checkpoint_stop_with_a_kept_boundary_export_mechanism(tiny_model_dir) -> None:
-    """What the release does (passes; the next test says why it is wrong).
-
-    The prompt checkpoint 400 is off the grid from 0, so the scheduler
+def test_prompt_checkpoint_stop_is_published_beside_a_kept_boundary_export(
+    tiny_model_dir,
+) -> None:
+    """The prompt checkpoint 400 is off the grid from 0, so the scheduler
     (``_mamba_block_aligned_split``) stops the first chunk there; with EAGLE the
     last cacheable block stop is 420 // 384 * 384 - 384 = 0, so no block stop
     comes first. The manager reserves the chunk's own export at
     checkpoint(400) = 384, valid from 0 (384 on the grid, column 0 above the
     initial state's column -1), and keeps it as a retained block boundary. The
-    kept branch re-keys column 0 at 384 and returns: 400, in column 1, is never
-    published. B matches attention at 416, is rewound to 400, and resumes at
-    384 (from a right state).
+    kept branch re-keys column 0 at 384; vLLM returned there, so 400, in
+    column 1, was never published and B resumed at 384 (0.34.0's stock tree
+    still does: tests/test_release_checkpoint_tail.py). With the mod both are
+    published: B matches attention at 416, is rewound to 400, and resumes there.
     """
     rig, a, b, bounds = run_case(tiny_model_dir, KEPT_BOUNDARY)
     assert rig.chunk_ends[a.request_id] == [400, 420]
     assert rig.exports[a.request_id] == [384]
-    assert rig.partial_entries_of(a.request_id, MAMBA_GROUP) == []
+    assert rig.partial_entries_of(a.request_id, MAMBA_GROUP) == [400]
     assert (bounds.fa_match, bounds.fa_eagle) == (416, 400)
-    assert b.hit == bounds.hit == 384
+    assert b.hit == bounds.hit == 400
     assert b.resumed_from_own_prefix()
-    # The kit's geometry model already encodes this as vLLM's rule.
-    assert producer_prefill(KEPT_BOUNDARY, patched=False).unpublished_ends == (400,)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "MambaManager._cache_partial_tail_block: a kept export (here the block "
-        "boundary 384) returns before the chunk-end publication, so the prompt "
-        "checkpoint 400 the scheduler stopped at is never cached; "
-        "fix-mamba-transient-checkpoint-tail mends only the transient branch"
-    ),
-)
-def test_prompt_checkpoint_stop_is_published_beside_a_kept_boundary_export(
-    tiny_model_dir,
-) -> None:
-    """Both states are distinct blocks (export in column 0, chunk end in column
-    1); publishing both, as the transient branch now does, would give B 400."""
-    rig, a, b, bounds = run_case(tiny_model_dir, KEPT_BOUNDARY)
-    assert 400 in rig.partial_entries_of(a.request_id, MAMBA_GROUP)
-    assert b.hit == bounds.fa_eagle == 400
+    # The kit's geometry model publishes the chunk end too.
+    assert producer_prefill(KEPT_BOUNDARY, patched=False).ends == (400, 420)
+    assert expected(KEPT_BOUNDARY, patched=False).hit == 400
 
 
 def test_without_speculation_the_block_stop_comes_first(tiny_model_dir) -> None:
