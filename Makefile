@@ -189,7 +189,7 @@ test-strix: setup-host ## the regression suite and vLLM's prefix suite inside bo
 test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
 	$(ORCH) cpu --tests-only
 
-# var VLLM: a later vLLM release from pins.toml [releases] (regress, upstream-suite, images)
+# var VLLM: a vLLM release from pins.toml (regress, upstream-suite, images); unset: the pinned one
 VLLM ?=
 
 STRESS_SEEDS ?= 20

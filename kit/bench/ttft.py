@@ -24,10 +24,10 @@ from kit.bench.openai_client import (
 )
 from kit.bench.serve import Server
 from kit.bench.serve_args import SERVED_NAME, path_by_regime
+from kit.geometry.geometry_cases import PROBE_TOKEN
 from kit.geometry.geometry_model import Case, Geometry, expected, prompt_checkpoint
 from kit.vllm_tree.trees import TREE_NAMES as TREES
 
-PROBE_TOKEN = 13
 TURN_LEN = 48
 REPLY_TOKENS = 8
 WAKE_PROMPT = [5, 6, 7]  # shorter than one hash unit: leaves no cache entry
