@@ -248,8 +248,13 @@ def test_a_target_gets_the_mods_of_one_release() -> None:
         "fix-eagle-fine-prefix-lookahead",
         *every,
     ]
-    # 0.34.0 fixed the copy-on-write bug upstream (vllm#55112).
-    assert names("0.34.0") == ["fix-eagle-fine-prefix-lookahead", *every]
+    # 0.34.0 fixed the copy-on-write bug upstream (vllm#55112); its FlashInfer GDN
+    # writes the fix's states in the forward pass (the worker side of the fix).
+    assert names("0.34.0") == [
+        "fix-eagle-fine-prefix-exports",
+        "fix-eagle-fine-prefix-lookahead",
+        *every,
+    ]
 
 
 def apply_killed_at(tree: Path, point: str, *argv: str) -> subprocess.CompletedProcess:
