@@ -1,8 +1,9 @@
 """Pick the vLLM tree under test before anything imports vLLM, and gate tests by need.
 
-``KIT_TREE=unpatched|patched`` (default ``patched``) puts ``.trees/<name>`` first
+``KIT_TREE=unpatched|patched`` (default ``patched``; ``<release>/<stage>``, e.g.
+``0.34.0/patched``: a later release's tree from its sdist) puts the tree first
 on ``sys.path``; ``KIT_TREE=installed`` (the images) uses the installed vllm
-(``kit.vllm_tree.trees.select``).
+(``kit.vllm_tree.releases.select``).
 Markers: ``cpu`` (runs here), ``container`` (needs buildah and the cpu images;
 skipped with the command that builds them, a failure under
 ``KIT_REQUIRE_CONTAINERS=1`` as in CI).

@@ -200,6 +200,19 @@ def test_a_later_turn_pays_nothing_for_a_state_the_fix_leaves_out(release_table:
                 assert any(r["exports_u_p"][0] for r in left_out), where
 
 
+def test_a_kept_state_costs_no_step_where_the_layer_exports_it(release_table: dict) -> None:
+    """Where the tree writes the fix's states inside the forward pass (0.34.0's
+    patched tree, fix-eagle-fine-prefix-exports) and the layer exports at any
+    offset (internal-1), a later turn that keeps its state ends no more chunks
+    than on the unpatched tree; on the 64-token grid or the split path it may."""
+    table = release_table["internal"].get("internal-1")
+    if table is None or "fix-eagle-fine-prefix-exports" not in table["mods"].get("patched", []):
+        pytest.skip("this release's patched tree takes the fix's states as chunk ends")
+    for hashing, rows in table["later_turns"].items():
+        kept = [r for r in rows if r["kept"]]
+        assert kept and all(r["extra_steps"] == 0 for r in kept), (hashing, kept)
+
+
 # Run in a release tree: the later-turn rows of the internal-1 regime, lookahead
 # hashes; argv: model dir, output file, "fix" or "plain", "cut" or "no-cut" (the
 # fix's skip of states just above a resumed prompt's hit switched off).
