@@ -6,7 +6,8 @@ only the leader orphans them. The kit starts such children as group leaders
 
 A group must also go when the kit cannot stop it (``kill -9`` of the kit, a closed
 terminal's SIGHUP, an out-of-memory kill): ``Watchdog`` is a small process per
-group that does it then. Run as a script (``python process_group.py --token T``) it is
+group that does it then (``WatchedPopen``: a child started so, the bench's servers
+aside, which start theirs themselves). Run as a script (``python process_group.py --token T``) it is
 that watchdog, so this module imports nothing but the standard library.
 """
 
@@ -136,13 +137,13 @@ class Watchdog:
     hang-up of the kit's terminal does not reach it, and it writes what it did into
     ``log`` (the server's log)."""
 
-    def __init__(self, log: Path, grace: float = WATCHDOG_GRACE) -> None:
+    def __init__(self, log: Path | None, grace: float = WATCHDOG_GRACE) -> None:
         self.token = secrets.token_hex(16)
         read, write = os.pipe()
         self._write: int | None = write  # None once closed
         self._lock = threading.Lock()
         try:
-            with log.open("a") as out:
+            with open(os.devnull if log is None else log, "a") as out:
                 # -I -S: no PYTHONPATH (a tree's) nor site-packages; standard library only.
                 command = [sys.executable, "-I", "-S", __file__, "--grace", str(grace)]
                 self.process = subprocess.Popen(
@@ -191,6 +192,50 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+class WatchedPopen(subprocess.Popen):
+    """A child started as the leader of a process group of its own, with a
+    ``Watchdog`` (its lines appended to ``watch_log``, if given) that stops the whole
+    group when this process ends without stopping it, SIGKILL included.
+
+    Stop it with ``stop`` (the group, then the watchdog told so); a child that ended
+    by itself may leave its watchdog waiting until this process ends, when it finds
+    nothing left to stop. A log the child writes that the watchdog appends to must be
+    opened for appending, as the watchdog's is, so neither overwrites the other."""
+
+    def __init__(
+        self,
+        args,
+        *,
+        watch_log: Path | None = None,
+        env: dict[str, str] | None = None,
+        **kwargs,
+    ) -> None:
+        self.watchdog = Watchdog(watch_log)
+        try:
+            # The token in the child's environment, so the watchdog finds every process
+            # it starts (also one that leaves the group, or any started before ``watch``).
+            base = os.environ if env is None else env
+            super().__init__(
+                args, env={**base, **self.watchdog.env()}, start_new_session=True, **kwargs
+            )
+        except BaseException:
+            self.watchdog.release()
+            raise
+        self.watchdog.watch(self.pid)
+
+    def stop(self, grace: float = 20.0) -> None:
+        """``stop_group`` on the child's group and wait for the child; the watchdog is
+        told the group is stopped, or, where a member survived, left to keep trying
+        after this process (and ``ProcessGroupError`` raised)."""
+        try:
+            stop_group(self.pid, grace)
+            self.wait(timeout=grace)
+        except (ProcessGroupError, subprocess.TimeoutExpired):
+            self.watchdog.release(stopped=False)
+            raise ProcessGroupError(f"process group {self.pid} survived SIGKILL") from None
+        self.watchdog.release()
 
 
 def _tagged(token: str) -> set[int]:

@@ -109,6 +109,7 @@ def server(tmp_path_factory, tree: trees.Tree):
         tree=tree,
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
         startup_timeout=900,
+        fix=True,
     ) as srv:
         yield srv
     assert not srv.alive()  # stopped on exit

@@ -267,6 +267,7 @@ def test_each_path_names_a_geometry_regime() -> None:
 
 class _Stub:
     url = "http://stub"
+    fix = False
 
 
 @pytest.fixture()
@@ -413,6 +414,7 @@ class _PausableStub:
     def __init__(self, name: str) -> None:
         self.url = f"http://{name}"
         self.running = True
+        self.fix = False
 
     def can_pause(self) -> bool:
         return True

@@ -17,6 +17,11 @@ What ``test_no_module_names_a_release_or_decides_by_a_tree_name`` scans: every
 Dictionary keys and subscripts (``summary["unpatched"]``), argparse ``choices`` and a
 stage passed to a builder are not comparisons and are not flagged: they name a
 stage, they do not decide by it. ``ALLOWED`` lists what is left, each with why.
+
+The bench's A/B pair names its servers by side (unpatched, patched), and whether a
+server is the one under test is ``kit.bench.plan.carries_fix``: a tree's mods
+(``Tree.patched``), or, for a server given by URL, the side the command line
+declares (``kit.bench.plan.Side``), never a comparison with the name.
 """
 
 from __future__ import annotations
@@ -38,14 +43,7 @@ TREE_NAMES = {"patched", "unpatched"}
 # (path glob under the repository, the flagged statement's first line or the flagged
 # comparison): why it stays. Each entry must still match a site
 # (test_every_allowance_is_still_needed), so a mended one is taken out.
-ALLOWED = {
-    # The bench's A/B pair: "patched" is the role of the server under test, also for
-    # servers given by URL (--server-url), which have no tree whose mods could say.
-    ("kit/bench/run.py", "tree == 'patched'"): "open: the bench's server argv by tree name",
-    ("kit/bench/run.py", "plan.serve_only == 'patched'"): "open: --serve-only by tree name",
-    ("kit/bench/ttft.py", "tree == 'patched'"): "open: the bench's expected hit by tree name",
-    ("kit/bench/turn_cost.py", "tree == 'patched'"): "open: turn-cost's switch by tree name",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -144,6 +142,12 @@ def test_every_allowance_is_still_needed() -> None:
         ('if tree.name == "patched":\n    pass\n', "tree name"),
         ('STAGE = "unpatched"\nok = stage != STAGE\n', "tree name"),
         ('ok = ("unpatched", x) in measured\n', "tree name"),
+        # The forms the bench's A/B pair used before kit.bench.plan.carries_fix.
+        ('args = base + (extra if tree == "patched" else [])\n', "tree name"),
+        ('hit = expected(case, patched=tree == "patched").hit\n', "tree name"),
+        ('extra = fix_flags if plan.serve_only == "patched" else []\n', "tree name"),
+        ('if "patched" != side:\n    pass\n', "tree name"),
+        ('fix = {t: t in ("patched",) for t in names}\n', "tree name"),
         ('help = "disable lookahead hashes (0.33.0+)"\n', "release"),
         ('"""A docstring may say 0.34.0."""\n# and a comment 0.32.0\nx = 1\n', None),
         ('d = {"patched": 1}\ny = d["unpatched"]\nv = "0.0.0+local"\n', None),

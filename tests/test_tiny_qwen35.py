@@ -146,7 +146,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tree: trees.Tree, model_dir
     )
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **serve_env(ARCH, home / "stand-in", tree.search_path)}
     with Server(
-        "patched", args, home / "server.log", tree=tree, env=env, startup_timeout=900
+        "patched", args, home / "server.log", tree=tree, env=env, startup_timeout=900, fix=True
     ) as srv:
         yield srv
     assert not srv.alive()

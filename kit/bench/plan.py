@@ -7,6 +7,13 @@ child's included, is checked the same) and ``check_here`` what this machine adds
 (an inherited checkpoint switch, an ``--out`` that already holds a run). A refusal
 is one ``BenchPlanError`` line naming what is wrong and what to do.
 
+Which server of the A/B pair is the one under test (started with the fix's switches,
+expected the fix's hits) is decided here, once (``carries_fix``): a server the kit
+starts from a tree, or becomes (``--serve-only``: the installed vllm), is as the
+tree's mods say (``Tree.patched``); a server given by URL has no tree to read, and
+is as the command line declares its side (``Side``). No module compares a tree's
+name to decide it.
+
 A plan's children, the other ``kit.bench.run`` processes the container flow starts
 (one server per tree, the client, a one-server session's client, the merge), are
 plans too (``child_plan``), and ``child_argv`` writes any of them as the command
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +48,7 @@ from kit.bench.serve_args import (
 from kit.geometry.geometry_model import UNIT
 from kit.vllm_tree import mods
 from kit.vllm_tree.trees import TREE_NAMES as TREES
+from kit.vllm_tree.trees import Tree
 from kit.weights import models
 from kit.weights.tiny_model import ARCHS
 
@@ -227,6 +236,29 @@ def build_parser(doc: str | None = None) -> argparse.ArgumentParser:
         help="model store for --model (default: %(default)s)",
     )
     return parser
+
+
+class Side(enum.Enum):
+    """The side of the A/B pair a command line names a server by (``--server-url
+    SIDE=URL``, ``--serve-only SIDE``, ``--session SIDE:REPS``; the values are the
+    trees' names, ``TREES``): the reference, or the server under test."""
+
+    UNPATCHED = "unpatched"
+    PATCHED = "patched"
+
+    @property
+    def fix(self) -> bool:
+        """The server under test: started with the fix's switches, expected its hits."""
+        return self is Side.PATCHED
+
+
+def carries_fix(side: str, tree: Tree | None = None) -> bool:
+    """Whether the server of ``side`` is the one under test: started with the fix's
+    switches (``Served.args``), expected the fix's hits (``kit.bench.ttft``). A server
+    started from a tree, or become here (``--serve-only``: the installed vllm), is as
+    the tree's mods say (``Tree.patched``); one given by URL, with no tree to read, as
+    its declared side says."""
+    return tree.patched if tree is not None else Side(side).fix
 
 
 def checkpoint_path(name: str | None, served_model: bool) -> CheckpointPath:

@@ -214,15 +214,20 @@ def parse_args(argv: list[str] | None) -> BenchPlan:
 
 
 class Served(NamedTuple):
-    """What the servers are started with: the arguments both trees get, the patched
-    tree's extra switches, the environment, MTP draft tokens, and what the bundle
-    records of the model."""
+    """What the servers are started with: the arguments both trees get, the extra
+    switches of the server under test (the fix's), the environment, MTP draft tokens,
+    and what the bundle records of the model."""
 
     base: list[str]
     patched_extra: list[str]
     env: dict[str, str]
     num_spec: int
     model_record: dict
+
+    def args(self, fix: bool) -> list[str]:
+        """A server's arguments; ``fix``: it is the one under test
+        (``kit.bench.plan.carries_fix``)."""
+        return self.base + (self.patched_extra if fix else [])
 
 
 def serve_plan(plan: BenchPlan) -> Served:
@@ -315,10 +320,12 @@ def start_servers(
         for tree, found in pinned.items():
             # The tree's search path first: the value replaces the one the tree sets.
             arch_env[tree] = serve_env(plan.arch, scratch / "vision-stand-in", found.search_path)
+    # Started from a tree: as its mods say; by URL: as the plan declares the side.
+    fix = {tree: bench_plan.carries_fix(tree, pinned.get(tree)) for tree in which}
     servers = {
         tree: Server(
             tree,
-            served.base + (served.patched_extra if tree == "patched" else []),
+            served.args(fix[tree]),
             out / bundle.LOGS / f"server-{tree}{log_tag}.log",
             tree=pinned.get(tree),
             # One compile cache per tree: the two servers start at once, and one
@@ -330,6 +337,7 @@ def start_servers(
             },
             startup_timeout=plan.startup_timeout,
             url_override=external[tree].rstrip("/") if external else None,
+            fix=fix[tree],
         )
         for tree in which
     }
@@ -548,9 +556,10 @@ def print_serve_args(plan: BenchPlan, served: Served) -> int:
 
 
 def become_server(plan: BenchPlan, served: Served) -> NoReturn:
-    """``--serve-only TREE``: exec that tree's server (the installed vLLM)."""
-    extra = served.patched_extra if plan.serve_only == "patched" else []
-    cmd = server_command(plan.host, plan.port, served.base + extra)
+    """``--serve-only TREE``: exec that tree's server (the installed vLLM; the fix's
+    switches where its mods carry the fix)."""
+    fix = bench_plan.carries_fix(plan.serve_only, trees.installed())
+    cmd = server_command(plan.host, plan.port, served.args(fix))
     env = served.env
     if not plan.model and needs_vision_stand_in(plan.arch):
         # The installed vllm (search path empty); a folder of this server's own.

@@ -129,6 +129,9 @@ class Server:
     # The command line (default: ``server_command``); tests put a stand-in process
     # tree here.
     command: Callable[[str, int, list[str]], list[str]] | None = None
+    # The server under test of the bench's A/B pair (``kit.bench.plan.carries_fix``):
+    # started with the fix's switches, expected the fix's hits.
+    fix: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopping: bool = field(default=False, repr=False)
     _watchdog: Watchdog | None = field(default=None, repr=False)

@@ -111,12 +111,13 @@ def pair_requests(
 ) -> Iterator[dict]:
     """The A/B pair on one server, one measured request per row yielded as it is
     measured (so two servers can take turns request by request). The cached B's
-    oracle verdict is added to its row when cold B is in, before cold B is yielded."""
+    oracle verdict is added to its row when cold B is in, before cold B is yielded.
+    The cached B is expected the fix's hit on the server under test (``Server.fix``)."""
     ctx = context(rep, shared, "pair")
     a = ctx + [PROBE_TOKEN]
     b = ctx + [4000 + i for i in range(TURN_LEN)]
     case = bench_case(geo, shared)
-    want_b = expected(case, patched=tree == "patched").hit
+    want_b = expected(case, patched=server.fix).hit
     resend = prompt_checkpoint(len(b), geo.unit, geo.eagle)
     # Unmeasured: the first request after the server sat idle (while the other
     # tree ran) waited about 1 s before its prefill in a third of the

@@ -184,20 +184,26 @@ def _converse(
 
 
 def measure(
-    tree: str, reps: int, shared: int, path: str = serve_args.DEFAULT_CHECKPOINTS
+    tree: str,
+    reps: int,
+    shared: int,
+    path: str = serve_args.DEFAULT_CHECKPOINTS,
+    fix: bool = False,
 ) -> list[dict]:
     """In a process whose ``vllm`` is the tree (and whose environment has the path's
-    checkpoint switch, ``_run_tree``): per repetition and turn, the phase times."""
+    checkpoint switch, ``_run_tree``): per repetition and turn, the phase times;
+    ``fix``: the tree carries the fix (its parent says so, ``Tree.child_args``), and
+    its engine gets the fix's switches."""
     _in_process_env()
     import vllm
     from vllm import LLM
 
     kwargs = _engine_kwargs(path)
-    if tree == "patched":
+    if fix:
         kwargs.update(mods.switch_fields("cpu", Path(vllm.__file__).parent))
     timers = _instrumented()
     engines = {tree: LLM(**kwargs)}
-    return _converse(engines, timers, reps, shared, path, {tree: tree == "patched"})
+    return _converse(engines, timers, reps, shared, path, {tree: fix})
 
 
 def measure_one_process(reps: int, shared: int, path: str) -> list[dict]:
@@ -219,10 +225,14 @@ def measure_one_process(reps: int, shared: int, path: str) -> list[dict]:
     return _converse(engines, timers, reps, shared, path, fix)
 
 
-def tree_env(tree: str, path: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The measuring process's environment: the tree's vllm, its own compile cache, and
-    the path's checkpoint switch (set for internal, removed for split)."""
-    env = trees.pinned(tree).env(base, VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm" / tree))
+def tree_env(
+    tree: str, path: str, base: dict[str, str] | None = None, found: trees.Tree | None = None
+) -> dict[str, str]:
+    """The measuring process's environment: the tree's vllm (``found``, else the pinned
+    release's tree ``tree``), its own compile cache, and the path's checkpoint switch
+    (set for internal, removed for split)."""
+    found = found or trees.pinned(tree)
+    env = found.env(base, VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm" / tree))
     env.pop(serve_args.CHECKPOINT_ENV, None)
     return {**env, **serve_args.PATHS[path].env}
 
@@ -231,12 +241,15 @@ def _run_tree(
     tree: str, reps: int, shared: int, path: str, one_process: bool = False
 ) -> list[dict]:
     """``measure`` (or, ``one_process``, ``measure_one_process``) in a process of
-    its own with the tree's environment."""
-    env = tree_env(tree, path)
+    its own with the tree's environment, told what the tree is on its command line
+    (``Tree.child_args``: ``--fix`` where its mods carry the fix)."""
+    found = trees.pinned(tree)
+    env = tree_env(tree, path, found=found)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kit.bench.turn_cost", "measure", tree]
         cmd += ["--reps", str(reps), "--shared", str(shared), "--out", out.name]
         cmd += ["--checkpoints", path] + (["--one-process"] if one_process else [])
+        cmd += found.child_args()
         subprocess.run(cmd, check=True, env=env, cwd=ROOT)
         return json.loads(Path(out.name).read_text())
 
@@ -300,6 +313,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--checkpoints", choices=serve_args.CHECKPOINT_PATHS, required=True)
     m.add_argument("--one-process", action="store_true")
+    m.add_argument(
+        trees.FIX_ARG, action="store_true", help="the tree carries the fix: switch it on"
+    )
+    m.add_argument(
+        trees.FROM_SDIST_ARG,
+        action="store_true",
+        help="the tree is a release's sdist sources (loads kit.vllm_tree.release_plugin)",
+    )
     parser.add_argument("--reps", type=int, default=5, help="repetitions (default: %(default)s)")
     parser.add_argument("--shared", type=int, default=1007, help="context length S")
     parser.add_argument(
@@ -370,10 +391,11 @@ def table(summary: list[dict]) -> tuple[list[list], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cmd == "measure":
+        trees.prepare(args.from_sdist)
         if args.one_process:
             rows = measure_one_process(args.reps, args.shared, args.checkpoints)
         else:
-            rows = measure(args.tree, args.reps, args.shared, args.checkpoints)
+            rows = measure(args.tree, args.reps, args.shared, args.checkpoints, args.fix)
         args.out.write_text(json.dumps(rows))
         return 0
     from tabulate import tabulate

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit.images import buildah_storage
+from kit.process_group import ProcessGroupError, WatchedPopen
 
 
 class EngineUnavailable(RuntimeError):
@@ -334,16 +334,18 @@ class DockerEngine(_Engine):
 
 
 class _ProcessContainer(Container):
-    """A ``buildah run`` process; its own session, so a stop reaches every child."""
+    """A ``buildah run`` process; its own session, so a stop reaches every child, and
+    a watchdog (``WatchedPopen``) that stops them where the kit cannot (``kill -9``)."""
 
     def __init__(self, name: str, cmd: list[str]) -> None:
         self.name = name
         # Outlives this call on purpose: logs() reads it after the process ends.
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
-            prefix=f"{name}-", suffix=".log", delete=False
-        )
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        # Appending, as the watchdog does: neither overwrites the other's lines.
+        fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+        os.close(fd)
+        self.log = open(path, "a")  # noqa: SIM115
+        self.proc = WatchedPopen(
+            cmd, watch_log=Path(path), stdout=self.log, stderr=subprocess.STDOUT
         )
 
     def alive(self) -> bool:
@@ -359,15 +361,11 @@ class _ProcessContainer(Container):
         return Path(self.log.name).read_text(errors="replace")
 
     def stop(self, grace: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, sig)
-                try:
-                    self.proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        # The whole group, also after its leader ended (what it started may not have).
+        # A member that survives SIGKILL is left to the watchdog, which keeps trying
+        # after the kit: the engine's other clean-up goes on.
+        with contextlib.suppress(ProcessGroupError):
+            self.proc.stop(grace)
         self.log.close()
 
     def discard(self) -> None:
@@ -391,7 +389,7 @@ class BuildahEngine(_Engine):
     storage: tuple[str, ...] = field(default_factory=lambda: tuple(buildah_storage.flags()))
     started: list[str] = field(default_factory=list)
     processes: list[_ProcessContainer] = field(default_factory=list)
-    holders: dict[str, subprocess.Popen] = field(default_factory=dict)
+    holders: dict[str, WatchedPopen] = field(default_factory=dict)
     working: dict[str, str] = field(default_factory=dict)
 
     def _working_container(self, image: str) -> str:
@@ -428,9 +426,9 @@ class BuildahEngine(_Engine):
     @contextlib.contextmanager
     def network(self) -> Iterator[Network]:
         name = f"kit-{uuid.uuid4().hex[:8]}"
-        holder = subprocess.Popen(
-            ["unshare", "--net", "sh", "-c", "ip link set lo up && exec sleep infinity"],
-            start_new_session=True,
+        # Watched: a kit killed with SIGKILL leaves no namespace holder behind.
+        holder = WatchedPopen(
+            ["unshare", "--net", "sh", "-c", "ip link set lo up && exec sleep infinity"]
         )
         self.holders[name] = holder
         deadline = time.monotonic() + 10
@@ -448,9 +446,8 @@ class BuildahEngine(_Engine):
 
     def _stop_holder(self, name: str) -> None:
         holder = self.holders.pop(name, None)
-        if holder and holder.poll() is None:
-            holder.kill()
-            holder.wait()
+        if holder:
+            holder.stop(grace=5.0)
 
     def image_info(self, image: str) -> dict | None:
         done = subprocess.run(

@@ -9,7 +9,9 @@ shapes), and the MTP drafter config is the one vLLM derives for Nemotron-H
 then runs on the real scheduler with that spec, against the geometry model's
 ``internal-1`` prediction. Building the layer needs vLLM's (single-rank)
 distributed state, so ``python -m kit.rig.nemotron_h`` runs it in a process of its
-own on the tree it is given.
+own on the tree it is given (``--tree``, else ``KIT_TREE``, else patched): unpatched,
+patched, installed (the images' own) or ``<release>/<stage>`` for any release's tree
+(``kit.vllm_tree.releases.select``, as the tests' ``KIT_TREE`` takes it).
 """
 
 from __future__ import annotations
@@ -112,9 +114,13 @@ def check(fix: bool) -> dict:
             # Each case's block and draft count; the rest is the layer's own spec.
             layer = replace(spec, block_size=case.block, num_speculative_blocks=case.num_spec)
             rig, a, b, _ = run_case(model_dir, case, fix=fix, mamba_spec=layer)
-            # Mamba2 writes the prompt checkpoint only: the fix declines the export.
-            model_case = replace(case, geometry=replace(case.geometry, layer_extra_exports=False))
-            want = expected(model_case, patched=fix)
+            # As the layer declares: Mamba2 writes the fix's states in the pass where
+            # the tree's worker patch makes it (fix-eagle-fine-prefix-exports); else
+            # it writes the prompt checkpoint only and the fix declines the export.
+            extra = bool(getattr(layer, "prefill_checkpoint_extra_exports", False))
+            model_case = replace(case, geometry=replace(case.geometry, layer_extra_exports=extra))
+            lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
+            want = expected(model_case, patched=fix, lookahead=lookahead)
             got = (tuple(rig.chunk_ends[a.request_id]), b.hit, b.resumed_from_own_prefix())
             if got != (want.chunk_ends, want.hit, True):
                 differ.append({"case": cid, "got": got, "model": [want.chunk_ends, want.hit]})
@@ -124,6 +130,9 @@ def check(fix: bool) -> dict:
         "spec": {
             "num_prefill_checkpoint_blocks": spec.num_prefill_checkpoint_blocks,
             "prefill_checkpoint_alignment": spec.prefill_checkpoint_alignment,
+            "prefill_checkpoint_extra_exports": bool(
+                getattr(spec, "prefill_checkpoint_extra_exports", False)
+            ),
             "mamba_type": str(spec.mamba_type.name),
             "shapes": [list(s) for s in spec.shapes],
         },
@@ -138,16 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--tree",
-        choices=("unpatched", "patched", "installed"),
-        help="the vLLM tree (default: KIT_TREE, else patched; installed: the images' own)",
+        metavar="TREE",
+        help="the vLLM tree: unpatched, patched, installed (the images' own) or "
+        "<release>/<stage>, a release in pins.toml (default: KIT_TREE, else patched)",
     )
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     args = parser.parse_args(argv)
-    from kit.vllm_tree import trees
+    from kit.vllm_tree import mods, releases, sdists, trees
 
-    tree = trees.select(args.tree)
-    tree.activate()
-    # The patched tree (pinned or an image's) runs with the fix switched on.
+    try:
+        tree = releases.select(args.tree)
+        tree.activate()
+    except (releases.ReleaseError, mods.ModError, sdists.SdistError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # A release's tree from its sdist runs on vLLM's CPU platform with the release plugin.
+    trees.prepare(tree.from_sdist)
+    # A patched tree (any release's, or an image's) runs with the fix switched on.
     result = check(fix=tree.patched)
     text = json.dumps(result, indent=1)
     if args.out:

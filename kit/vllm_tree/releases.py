@@ -188,10 +188,16 @@ def trees_of(version: str) -> dict[str, trees.Tree]:
 
 
 def select(name: str | None = None) -> trees.Tree:
-    """The tree ``KIT_TREE`` names: what ``trees.select`` takes, or
-    ``<release>/<stage>`` for any release's tree."""
-    name = name or os.environ.get(trees.SELECT_ENV, "patched")
-    if "/" not in name:
+    """The tree ``name`` (else ``KIT_TREE``) names: what ``trees.select`` takes, or
+    ``<release>/<stage>`` for any release's tree. A bad one is refused in one line."""
+    chosen = name or os.environ.get(trees.SELECT_ENV, "patched")
+    if "/" not in chosen:
         return trees.select(name)
-    version, stage = name.split("/", 1)
+    version, _, stage = chosen.partition("/")
+    if not version or not stage or "/" in stage:
+        said = f"tree {chosen!r}" if name else f"{trees.SELECT_ENV}={chosen!r}"
+        raise ReleaseError(
+            f"{said}: write <release>/<stage>, a release of {', '.join(known())} and a "
+            f"stage of {', '.join(STAGES)}"
+        )
     return tree(version, stage)

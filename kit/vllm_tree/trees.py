@@ -171,14 +171,14 @@ def installed() -> Tree:
 
 
 def select(name: str | None = None) -> Tree:
-    """The tree ``KIT_TREE`` names: unpatched, patched (the default) or installed."""
+    """The tree ``name`` (else ``KIT_TREE``) names: unpatched, patched (the default) or
+    installed."""
+    said = f"tree {name!r}" if name else f"{SELECT_ENV}={os.environ.get(SELECT_ENV)!r}"
     name = name or os.environ.get(SELECT_ENV, "patched")
     if name == "installed":
         return installed()
     if name not in TREE_NAMES:
-        raise mods.ModError(
-            f"{SELECT_ENV}={name!r}: use one of {', '.join((*TREE_NAMES, 'installed'))}"
-        )
+        raise mods.ModError(f"{said}: use one of {', '.join((*TREE_NAMES, 'installed'))}")
     return pinned(name)
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kit import bundle, schema
 from kit.paths import CACHE, UPSTREAM_SUITE_RESULTS
-from kit.process_group import stop_group
+from kit.process_group import WatchedPopen
 from kit.vllm_tree import mods, offline_hub, pins, releases, sdists, trees
 
 # vLLM's whole tests/v1/core, and the worker tests of the files the mods change
@@ -153,26 +153,30 @@ def pytest_command(tree: trees.Tree, tests_dir: Path, *args: str) -> list[str]:
 
 def start_suite(
     name: str, tests_dir: Path, out_dir: Path, tree: trees.Tree
-) -> tuple[subprocess.Popen, Path]:
-    """Run the suite against one tree, in the background, in its own process group;
+) -> tuple[WatchedPopen, Path]:
+    """Run the suite against one tree, in the background, in its own process group
+    (stopped by its watchdog if this process dies first, ``kill -9`` included);
     returns the process and its junit file. Both the junit and the log are written to
     ``partial`` names; ``commit_outputs`` renames them once the run finished."""
     junit = partial(out_dir / f"upstream-{name}.xml")
     deselect = [arg for case in exclusions(tree.release) for arg in ("--kit-exclude", case)]
     cmd = pytest_command(tree, tests_dir, *suite_paths(tests_dir), f"--junitxml={junit}")
-    with partial(out_dir / f"upstream-{name}.log").open("w") as log:
-        proc = subprocess.Popen(
+    log_path = partial(out_dir / f"upstream-{name}.log")
+    log_path.write_text("")
+    # Appending, as the watchdog does: neither overwrites the other's lines.
+    with log_path.open("a") as log:
+        proc = WatchedPopen(
             [*cmd, *deselect],
+            watch_log=log_path,
             cwd=tests_dir,
             env=suite_env(tree, tests_dir),
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
         )
     return proc, junit
 
 
-def run_suites(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+def run_suites(runs: dict[str, tuple[WatchedPopen, Path]]) -> None:
     """Wait for every run; on SIGTERM or Ctrl-C stop every run's process group (pytest
     and whatever it started) and drop the partial files, then re-raise."""
     previous = {sig: signal.signal(sig, _stop) for sig in STOP_SIGNALS}
@@ -181,8 +185,7 @@ def run_suites(runs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
             proc.wait()
     except BaseException:
         for proc, junit in runs.values():
-            stop_group(proc.pid, grace=10)
-            proc.wait()
+            proc.stop(grace=10)
             for path in (junit, junit.with_name(junit.name.replace(".xml.", ".log."))):
                 path.unlink(missing_ok=True)
         raise
