@@ -37,21 +37,23 @@ ROOT = Path(__file__).resolve().parents[1]
 RELEASE = "0.34.0"
 BLOCK = 256  # Mamba block (align mode)
 GRID = 64  # FlashInfer's 64-token chunk, the layer's checkpoint grid here
+UNIT = GRID  # hash_block_size here: an extra export lies at least this far into its chunk
 STATE_LEN = 3  # conv window kept per state (kernel size 4)
 WIDTH, HEADS, V_DIM, K_DIM = 5, 2, 3, 4
 COLS = 8  # block-table columns
 
 # Rows of the batches: (seq_len, query_len, prefilling). Block IDs 1000+ are the
 # extra exports' own blocks; a row's block-table column c holds 100 * row + c + 1.
-COLD = (600, 600, True)  # prompt checkpoint at 576, extras at 512 and 448
+COLD = (600, 600, True)  # prompt checkpoint at 576, extras at 512, 448 and 500
 RESUMED = (1000, 300, True)  # query starts at 700 (off the hash grid): extras only
 SHORT = (200, 200, True)  # nothing to export
 TAIL = (832, 320, True)  # prompt checkpoint at 768; every export offered is dropped
 DECODE = (500, 1, False)
 COLD_EXPORTS = [(512, 1001), (448, 1002), (500, 1003), (600, 1004), (0, 1005)]
-# 896 is on the absolute 64-token grid, not on the chunk's (700 + 196).
+# 896 is on the absolute 64-token grid, not on the chunk's (700 + 196): a tail.
 RESUMED_EXPORTS = [(828, 1011), (956, 1012), (896, 1013)]
-TAIL_EXPORTS = [(832, 1031), (512, 1032), (400, 1033), (768, 0)]  # 0: NULL_BLOCK_ID
+# 540 is less than a hash unit into the chunk; 0 is NULL_BLOCK_ID.
+TAIL_EXPORTS = [(832, 1031), (512, 1032), (400, 1033), (768, 0), (540, 1034)]
 # vLLM's own prompt checkpoints, floor((N - 1) / 64) * 64 where valid.
 PROMPT_CHECKPOINTS = {COLD: 576, TAIL: 768}
 ROWS = [COLD, RESUMED, SHORT, TAIL]
@@ -68,16 +70,18 @@ SHIFTED = {row + 1: pairs for row, pairs in EXPORTS.items()}
 def _on_tree(model_dir: Path, out: Path) -> None:
     from dataclasses import replace
 
+    # All imported before the flag below, which the layer's Triton warm-up
+    # helpers do not survive.
     import torch
-
-    # Imported before the flag below, which their Triton warm-up helpers do not survive.
-    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn  # noqa: F401
     import vllm.triton_utils
     from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointBuilder
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import run_flashinfer_tails
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.gdn_attn import (
         GDNAttentionBackend,
         GDNAttentionMetadataBuilder,
+        GDNFlashInferTails,
+        plan_flashinfer_exports,
     )
     from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, mamba_get_block_table_tensor
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -163,7 +167,8 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         "mixed": checkpoint_of(ROWS, EXPORTS),
         "undeclared": checkpoint_of(ROWS, EXPORTS, extra=False),
         "extras_only": checkpoint_of([RESUMED], {0: RESUMED_EXPORTS}),
-        "all_dropped": checkpoint_of([RESUMED], {0: RESUMED_EXPORTS[2:]}),
+        # The chunk's end, and less than a hash unit into it.
+        "all_dropped": checkpoint_of([RESUMED], {0: [(1000, 1014), (720, 1015)]}),
     }
 
     # (b) The FlashInfer plan against the reference kernel.
@@ -186,6 +191,40 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         for pos in range(seq_len):
             states.append(step(states[-1], f, pos))
         return states
+
+    def prefill_reference(
+        *, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel
+    ):
+        """FlashInfer's contract for a call that emits nothing: each sequence of
+        ``cu_seqlens`` from its initial state; (output, final states)."""
+        assert output_final_state and not use_qk_l2norm_in_kernel
+        bounds = cu_seqlens.tolist()
+        finals = []
+        for i in range(len(bounds) - 1):
+            state = initial_state[i].to(torch.float64)
+            for pos in range(bounds[i], bounds[i + 1]):
+                outer = v[0, pos].unsqueeze(-1) * k[0, pos].unsqueeze(-2)
+                state = g[0, pos].view(HEADS, 1, 1) * state + outer
+            finals.append(state)
+        return None, torch.stack(finals)
+
+    def tail_states(md, plan, prefill_rows, rows, feats, refs, emitted) -> torch.Tensor:
+        """The layer's ``run_flashinfer_tails`` on the prefill kernel's tokens,
+        with the reference standing in for FlashInfer."""
+        has_initial = md.prefill_has_initial_state.tolist()
+        spans = [(r, rows[r][0] - rows[r][1], rows[r][0]) for r in prefill_rows]
+        k = torch.cat([feats[r]["k"][a:b] for r, a, b in spans]).unsqueeze(0)
+        v = torch.cat([feats[r]["v"][a:b] for r, a, b in spans]).unsqueeze(0)
+        g = torch.cat([feats[r]["decay"][a:b] for r, a, b in spans]).unsqueeze(0)
+        initial = torch.stack(
+            [
+                refs[r][a] if has_initial[i] else torch.zeros_like(refs[r][0])
+                for i, (r, a, _) in enumerate(spans)
+            ]
+        )
+        return run_flashinfer_tails(
+            plan.tails, k, k, v, g, g, initial, emitted, prefill=prefill_reference
+        )
 
     def flashinfer_reference(md, plan, prefill_rows, rows, feats, refs) -> torch.Tensor:
         """FlashInfer's contract: each sequence's running state after every N
@@ -224,7 +263,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
             seq_len, query_len, _ = rows[row]
             for position, block in pairs:
                 offset = position - (seq_len - query_len)
-                if 0 < offset < query_len and offset % GRID == 0 and block != NULL_BLOCK_ID:
+                if UNIT <= offset < query_len and block != NULL_BLOCK_ID:
                     want[block] = (row, position)
         return want
 
@@ -250,6 +289,12 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         )
         prefill_rows = nonspec_rows[md.num_decodes :]
         emitted = flashinfer_reference(md, plan, prefill_rows, rows, feats, refs)
+        tail_lens: list[int] = []
+        if plan.tails is not None:
+            # Extras off the stride: their states follow the emitted ones.
+            tails = tail_states(md, plan, prefill_rows, rows, feats, refs, emitted)
+            emitted = torch.cat([emitted, tails])
+            tail_lens = plan.tails.cu_seqlens.diff().tolist()
         if plan.exports is not None:
             chk, starts = plan.exports, plan.export_query_starts
         else:
@@ -268,7 +313,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
                 strict=True,
             )
         ):
-            if offset <= 0 or dest == NULL_BLOCK_ID:
+            if offset < UNIT or dest == NULL_BLOCK_ID:
                 continue
             row, position = want.get(dest, (None, None))
             entry = {"export": e, "offset": offset, "row": row, "position": position}
@@ -276,19 +321,21 @@ def _on_tree(model_dir: Path, out: Path) -> None:
                 # A wrong plan may point past the emitted states: a failure, not a crash.
                 inside = 0 <= emitted_row < len(emitted)
                 entry["state_equal"] = inside and bool(
-                    torch.equal(emitted[emitted_row], refs[row][position])
+                    torch.allclose(emitted[emitted_row], refs[row][position], rtol=1e-6, atol=1e-5)
                 )
                 window = nonspec_raw[start + offset - STATE_LEN : start + offset]
                 entry["conv_equal"] = bool(
                     torch.equal(window, feats[row]["raw"][position - STATE_LEN : position])
                 )
                 # A plan one emitted state early must fail the same check.
-                if 0 < emitted_row <= len(emitted) and torch.equal(
-                    emitted[emitted_row - 1], refs[row][position]
+                if 0 < emitted_row <= len(emitted) and torch.allclose(
+                    emitted[emitted_row - 1], refs[row][position], rtol=1e-6, atol=1e-5
                 ):
                     early_matches += 1
+                # The state (b) checks against the sequential one; the kernel
+                # copies it exactly.
                 expected_blocks[dest] = (
-                    refs[row][position].float(),
+                    emitted[emitted_row].float() if inside else refs[row][position].float(),
                     feats[row]["raw"][position - STATE_LEN : position].T.float().contiguous(),
                 )
             got[dest] = entry
@@ -296,6 +343,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
             "every_n_tokens": plan.every_n_tokens,
             "num_checkpoints": plan.num_checkpoints,
             "has_export_rows": plan.exports is not None,
+            "tail_lens": tail_lens,
             "want": {str(b): list(v) for b, v in sorted(want.items())},
             "got": {str(b): v for b, v in sorted(got.items())},
             "early_matches": early_matches,
@@ -323,7 +371,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
             [1, 1, -1, -1],
         ),
         # Offsets 128, 256 (extras) and 256 (TAIL's checkpoint): N = 128.
-        "coarse": ([RESUMED, TAIL], {0: RESUMED_EXPORTS}, None),
+        "coarse": ([RESUMED, TAIL], {0: RESUMED_EXPORTS[:2]}, None),
         # No extras: vLLM's own layout, unchanged.
         "no_extras": ([DECODE, *ROWS], None, None),
     }
@@ -336,6 +384,53 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         {"null_block": NULL_BLOCK_ID, "num_blocks": 1100, "cases": kernel_cases},
         out / "kernel_cases.pt",
     )
+
+    # (b') plan_flashinfer_exports alone, with a hash unit below the grid (16
+    # against 64): extras less than a grid step into the chunk start from the
+    # sequence's initial state, and a batch of such needs nothing emitted.
+    def exports_plan(offsets, query_lens, extras, grid=GRID) -> dict:
+        every_n, cu_starts, rows_, tails_ = plan_flashinfer_exports(
+            offsets, query_lens, extras, grid
+        )
+        return {"every_n": every_n, "cu_starts": cu_starts, "rows": rows_, "tails": tails_}
+
+    results["exports_plan"] = {
+        "initial_only": exports_plan([0], [300], [[16, 48]]),
+        "mixed": exports_plan([0, 128], [40, 300], [[], [16, 96, 192, 200]]),
+        "decode_row": exports_plan([0, 0], [300], [[], [80]]),
+    }
+    try:
+        plan_flashinfer_exports([0, 0], [300], [[80], []], GRID)
+        results["exports_plan"]["decode_with_extras"] = None
+    except ValueError as exc:
+        results["exports_plan"]["decode_with_extras"] = str(exc)
+    # The initial-only case through run_flashinfer_tails: states after 16 and
+    # 48 tokens of a sequence resumed at 900.
+    f = features(9, 1000)
+    refs9 = reference_states(f, 1000)
+    plan9 = plan_flashinfer_exports([0], [100], [[16, 48]], GRID)
+    index = [900 + i for i in range(16)] + [900 + i for i in range(48)]
+    tails9 = GDNFlashInferTails(
+        token_indices=torch.tensor([i - 900 for i in index]),
+        cu_seqlens=torch.tensor([0, 16, 64]),
+        sources=torch.tensor([s for *_, s in plan9[3]]),
+        sequences=torch.tensor([q for q, *_ in plan9[3]]),
+    )
+    got9 = run_flashinfer_tails(
+        tails9,
+        f["k"][900:].unsqueeze(0),
+        f["k"][900:].unsqueeze(0),
+        f["v"][900:].unsqueeze(0),
+        f["decay"][900:].unsqueeze(0),
+        f["decay"][900:].unsqueeze(0),
+        refs9[900].unsqueeze(0),
+        None,
+        prefill=prefill_reference,
+    )
+    results["exports_plan"]["initial_only_states"] = [
+        bool(torch.allclose(got9[0], refs9[916], rtol=1e-6, atol=1e-5)),
+        bool(torch.allclose(got9[1], refs9[948], rtol=1e-6, atol=1e-5)),
+    ]
 
     # (c) Copies, splits and re-gathers of the metadata.
     rows_c = [DECODE, *ROWS]
@@ -363,7 +458,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     by_request = {
         "a": {0: [(512, 2001), (448, 2002)], 1: [(512, 3001)]},
         "b": {0: [(828, 2011)]},
-        "c": {0: [(896, 2021)]},  # off the chunk's grid: dropped, not reported
+        "c": {0: [(896, 2021)]},  # past its chunk's end: dropped, not reported
         "x": {0: [(512, 2031)]},  # not in this batch
     }
 
@@ -549,21 +644,21 @@ def on_tree(
     return json.loads((out / "results.json").read_text()), out
 
 
-def test_the_builder_keeps_exactly_the_interior_on_grid_extras(on_tree) -> None:
-    """(a) Kept: offsets strictly inside the row's query, on the layer's grid
-    counted from the chunk's start, with a real block; reported as (row, position).
-    Dropped: off the chunk's grid (500; 896 is on the absolute grid only), the
-    chunk's end (600, 832), its start (0, 512), before it (400), the null block."""
+def test_the_builder_keeps_exactly_the_interior_extras(on_tree) -> None:
+    """(a) Kept: offsets inside the row's query, at least a hash unit into it, at
+    any offset (500 and 896 are off the chunk's grid: tails), with a real block;
+    reported as (row, position). Dropped: the chunk's end (600, 832), its start
+    (0, 512), before it (400), less than a hash unit into it (540), the null block."""
     builder = on_tree[0]["builder"]
     mixed = builder["mixed"]
     assert mixed["offsets"] == [576, 0, 0, 256]
     assert mixed["extra_exports"] == [
-        [[512, 1001], [448, 1002]],
-        [[128, 1011], [256, 1012]],
+        [[512, 1001], [448, 1002], [500, 1003]],
+        [[128, 1011], [256, 1012], [196, 1013]],
         [],
         [],
     ]
-    assert mixed["kept"] == [[0, 512], [0, 448], [1, 828], [1, 956]]
+    assert mixed["kept"] == [[0, 512], [0, 448], [0, 500], [1, 828], [1, 956], [1, 896]]
     # A layer that does not declare extra exports (Mamba2, Triton/FLA GDN) keeps none.
     assert builder["undeclared"] == {
         "offsets": [576, 0, 0, 256],
@@ -572,7 +667,7 @@ def test_the_builder_keeps_exactly_the_interior_on_grid_extras(on_tree) -> None:
     }
     # Metadata for a row with extras and no prompt checkpoint; none when all drop.
     assert builder["extras_only"]["offsets"] == [0]
-    assert builder["extras_only"]["kept"] == [[0, 828], [0, 956]]
+    assert builder["extras_only"]["kept"] == [[0, 828], [0, 956], [0, 896]]
     assert builder["all_dropped"] is None
 
 
@@ -581,9 +676,11 @@ def test_the_builder_keeps_exactly_the_interior_on_grid_extras(on_tree) -> None:
 )
 def test_each_export_gathers_the_sequential_state_at_its_position(on_tree, batch: str) -> None:
     """(b) FlashInfer's plan with extras, the reference kernel emitting every N
-    tokens: each export (prompt checkpoints and extras) reads the emitted state
-    equal to the one-token-at-a-time state at its position, and its conv window
-    ends there, into its own block; a plan one state early fails."""
+    tokens: each export (prompt checkpoints and extras) reads the state equal to
+    the one-token-at-a-time state at its position, and its conv window ends
+    there, into its own block; a plan one state early fails. An extra off the
+    stride reads its tail's state (``run_flashinfer_tails``: fewer than a grid
+    step of tokens from the state emitted below it)."""
     case = on_tree[0]["plan"][batch]
     assert case["got"].keys() == case["want"].keys()
     for block, entry in case["got"].items():
@@ -595,6 +692,39 @@ def test_each_export_gathers_the_sequential_state_at_its_position(on_tree, batch
     assert case["early_matches"] == 0
     assert case["has_export_rows"] == (batch != "no_extras")
     assert case["every_n_tokens"] % GRID == 0
+    # 500 from 448, 896 (offset 196) from 192.
+    with_tails = batch in ("decode_and_prefills", "spec_decodes_and_prefills")
+    assert case["tail_lens"] == ([52, 4] if with_tails else [])
+
+
+def test_extras_off_the_stride_run_short_tails(on_tree) -> None:
+    """(b') ``plan_flashinfer_exports`` with a hash unit of 16 against the 64
+    grid: an extra on the stride reads its emitted state; one off it a tail from
+    the state emitted at the grid step below, or from the sequence's initial
+    state (source -1) when that step is its start, so a batch of only such
+    emits nothing (N = 0); a decode row cannot carry extras. The initial-state
+    tails, run through ``run_flashinfer_tails``, give the sequential states."""
+    plan = on_tree[0]["exports_plan"]
+    assert plan["initial_only"] == {
+        "every_n": 0,
+        "cu_starts": [0, 0],
+        "rows": [0, 0, 1],
+        "tails": [[0, 0, 16, -1], [0, 0, 48, -1]],
+    }
+    assert plan["mixed"] == {
+        "every_n": 64,
+        "cu_starts": [0, 0, 4],
+        "rows": [0, 1, 4, 5, 2, 6],
+        "tails": [[1, 0, 16, -1], [1, 64, 96, 0], [1, 192, 200, 2]],
+    }
+    assert plan["decode_row"] == {
+        "every_n": 64,
+        "cu_starts": [0, 4],
+        "rows": [0, 0, 4],
+        "tails": [[0, 64, 80, 0]],
+    }
+    assert "has extra exports but no prefill" in plan["decode_with_extras"]
+    assert plan["initial_only_states"] == [True, True]
 
 
 def test_the_plan_strides_by_the_gcd_of_every_offset(on_tree) -> None:

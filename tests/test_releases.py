@@ -202,15 +202,26 @@ def test_a_later_turn_pays_nothing_for_a_state_the_fix_leaves_out(release_table:
 
 def test_a_kept_state_costs_no_step_where_the_layer_exports_it(release_table: dict) -> None:
     """Where the tree writes the fix's states inside the forward pass (0.34.0's
-    patched tree, fix-eagle-fine-prefix-exports) and the layer exports at any
-    offset (internal-1), a later turn that keeps its state ends no more chunks
-    than on the unpatched tree; on the 64-token grid or the split path it may."""
-    table = release_table["internal"].get("internal-1")
-    if table is None or "fix-eagle-fine-prefix-exports" not in table["mods"].get("patched", []):
+    patched tree, fix-eagle-fine-prefix-exports), on both internal regimes (any
+    offset; the 64-token grid, where a state off it is a short tail in the same
+    pass), a later turn that keeps its state ends no more chunks than on the
+    unpatched tree. On the split path the layer exports nothing, so it may."""
+    internal = release_table["internal"]
+    if not internal or "fix-eagle-fine-prefix-exports" not in next(iter(internal.values()))[
+        "mods"
+    ].get("patched", []):
         pytest.skip("this release's patched tree takes the fix's states as chunk ends")
-    for hashing, rows in table["later_turns"].items():
-        kept = [r for r in rows if r["kept"]]
-        assert kept and all(r["extra_steps"] == 0 for r in kept), (hashing, kept)
+    assert set(internal) == {"internal-1", "internal-grid"}
+    for regime, table in internal.items():
+        for hashing, rows in table["later_turns"].items():
+            kept = [r for r in rows if r["kept"]]
+            assert kept and all(r["extra_steps"] == 0 for r in kept), (regime, hashing, kept)
+        # Cold prompts (every grid case's producer): no chunk end of the fix's own.
+        for hashing, extra in table["cold_extra_steps"].items():
+            assert extra == {"max": 0, "cases": 0}, (regime, hashing, extra)
+    split = [r for rows in release_table["later_turns"].values() for r in rows if r["kept"]]
+    assert split and all(r["extra_steps"] >= 1 for r in split)
+    assert all(e["cases"] > 0 for e in release_table["cold_extra_steps"].values())
 
 
 # Run in a release tree: the later-turn rows of the internal-1 regime, lookahead

@@ -49,8 +49,9 @@ class Geometry:
     budget: int = 8192  # tokens one step may schedule (max_num_batched_tokens)
     checkpoints: str = "split"  # one of REGIMES: how the layer materialises a state
     # Internal regimes: the layer writes more states per row than the prompt
-    # checkpoint (our CPU GDN path), so the fix's states are exports; Mamba2's
-    # Triton path writes one, and the fix declines the export instead.
+    # checkpoint (our CPU GDN path; on 0.34.0 with fix-eagle-fine-prefix-exports,
+    # Mamba2 and FlashInfer GDN), so the fix's states are exports; a layer that
+    # writes one (stock Mamba2, KDA) makes the fix decline the export instead.
     layer_extra_exports: bool = True
 
     def __post_init__(self) -> None:
@@ -273,18 +274,19 @@ def fix_exports(
     into a block of its own: no chunk end, no engine step.
 
     Where the layer takes internal checkpoints and writes extra states per row
-    (``layer_extra_exports``: 0.32.0's CPU GDN, 0.34.0's FlashInfer GDN with
-    ``fix-eagle-fine-prefix-exports``; elsewhere the fix declines the layer's
-    export instead), on its grid from the chunk start; never the prompt
-    checkpoint, which the layer exports or the scheduler stops at anyway.
+    (``layer_extra_exports``: 0.32.0's CPU GDN; 0.34.0's FlashInfer GDN and
+    Mamba2 with ``fix-eagle-fine-prefix-exports``; elsewhere the fix declines
+    the layer's export instead), at any offset at least one hash unit into the
+    chunk: a layer whose kernel emits on a grid runs the rest of the way itself
+    (FlashInfer GDN: a short recurrence from the emitted state below). Never the
+    prompt checkpoint, which the layer exports or the scheduler stops at anyway.
     ``lookahead`` only moves the positions (``cp``).
     """
-    align = case.geometry.checkpoint_alignment
-    if align is None or not case.geometry.layer_extra_exports:
+    if case.geometry.checkpoint_alignment is None or not case.geometry.layer_extra_exports:
         return ()
     return tuple(
         sorted(
-            {p for p in cp.extra() if start < p < end and p != cp.tail and (p - start) % align == 0}
+            {p for p in cp.extra() if start < p < end and p != cp.tail and p - start >= case.unit}
         )
     )
 
@@ -351,8 +353,8 @@ def producer_prefill(
             )
         ):
             # The fix declines the export when the final chunk spans a state it
-            # keeps that the layer cannot export (lookahead hashes; off the grid),
-            # so the split path materialises them all.
+            # keeps that the layer cannot export (a layer that writes one state
+            # per row), so the split path materialises them all.
             exported = 0
         # A resume inside a block still ends its chunk on the next boundary, and
         # a junction above it is a chunk end too, with or without the export.

@@ -283,6 +283,8 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
                 "ideal": lookahead_ideal(case, row["hash_lookahead"]),
                 "fa": [row["fa_match"], row["fa_eagle"]],
                 "eagle_loss": eagle_specific_loss(case, row["hit"], base, row["hash_lookahead"]),
+                # A's engine steps: its chunk ends (a cold prompt's cost in steps).
+                "a_steps": len(row["a_chunk_ends"]),
                 "verdict": verdict(case, row, patched),
             }
             if patched is not None:
@@ -327,6 +329,10 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
         "eagle_specific_loss": {
             k: loss_totals([r[k]["eagle_loss"] for r in rows]) for k in modelled
         },
+        "cold_extra_steps": {
+            h: cold_extra_steps(rows, column(roles[h]["base"], h), column(roles[h]["fix"], h))
+            for h in paired
+        },
         "later_turns": later,
         "later_turns_summary": {h: later_turns.summary(rows) for h, rows in later.items()},
         "geometry_identical": all(g == first for g in geometries.values()),
@@ -337,6 +343,13 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
             "pins_sha256": pins.file_sha256(),
         },
     }
+
+
+def cold_extra_steps(rows: list[dict], base: str, fix: str) -> dict[str, int]:
+    """Engine steps the fix adds to a cold prompt (producer A), over the grid: the
+    most in one case and in how many cases it adds any."""
+    extra = [r[fix]["a_steps"] - r[base]["a_steps"] for r in rows]
+    return {"max": max(extra, default=0), "cases": sum(e > 0 for e in extra)}
 
 
 def _stock_against_unpatched(rows: list[dict], role: dict[str, dict], hashing: str) -> dict:
@@ -464,6 +477,9 @@ def render(report: dict) -> str:
             ),
             "",
             f"EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}",
+            "",
+            "Engine steps the fix adds to a cold prompt (A's chunk ends, patched minus "
+            f"unpatched; most in one case, cases with any): {report['cold_extra_steps']}",
             "",
             f"Cache geometry identical across trees: {report['geometry_identical']}.",
             "",
