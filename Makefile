@@ -39,7 +39,7 @@ lock: setup-host ## (online, once) resolve every unresolved pin (TARGET=gb10|str
 	$(VENV_PY) -m kit.pins.lock pins $(TARGET)
 
 # lock-deps needs no .venv (kit/pins/lock.py is standard library only): it makes setup-host's own lock.
-lock-deps: ## (online) re-resolve the hash locks under locks/ (gb10 aarch64/x86_64, strix, the CPU .venv, setup-host's per platform) with uv
+lock-deps: ## (online) re-resolve the hash locks under locks/ (per image release: gb10 aarch64/x86_64, strix; the CPU .venv, setup-host's per platform) with uv
 	$(HOST_PYTHON) -m kit.pins.lock deps
 
 # Each phase prints its time. The whole suite runs on the patched tree; the tests
@@ -150,7 +150,8 @@ ENGINE ?= auto
 NODES ?= 1
 # var SHARED: context lengths S of the container flow's bench, e.g. SHARED="1007 2159"
 SHARED ?=
-# VLLM=<release from pins.toml [releases]>: gb10/strix images built from that release.
+# VLLM=<release>: gb10/strix images of that release (0.34.0 by default, pins.toml
+# [images.<target>] vllm; VLLM=0.32.0 the pinned one); the cpu image has the pinned one only.
 # var ARCH: gb10's image platform: aarch64 (DGX Spark) or x86_64 (the CUDA sibling; default: this host's)
 # var SOURCE_BUILD: SOURCE_BUILD=1 compiles vLLM in the gb10 image instead of the locked wheel
 # var DRY_RUN: DRY_RUN=1 checks host and pins and prints the commands bench-<target> would run
@@ -165,31 +166,31 @@ ORCH = $(VENV_PY) -m kit.images.orchestrate --engine $(ENGINE) $(if $(MODEL),--m
 ORCH_BENCH = --reps $(REPS) --nodes $(NODES) $(if $(SHARED),--shared $(SHARED)) $(CHECKPOINT_OPT) \
   $(if $(filter 1,$(ONE_SERVER)),--one-server) $(if $(BLOCK_REPS),--block-reps $(BLOCK_REPS))
 
-bench-gb10: setup-host ## DGX Spark: host check, images, offline models, suites and TTFT in containers, bundle
+bench-gb10: setup-host ## DGX Spark: host check, images (vLLM 0.34.0; VLLM=0.32.0), offline models, suites and TTFT in containers, bundle
 	$(call refuse,bench-gb10,BENCH_ARGS TURN_REPS TURN_ARGS,the container flow takes REPS= SHARED= CHECKPOINTS= MODEL= NODES= ONE_SERVER=)
 	$(ORCH) gb10 $(ORCH_BENCH)
 
-bench-strix: setup-host ## Strix Halo: host check, images, offline models, suites and TTFT in containers, bundle
+bench-strix: setup-host ## Strix Halo: host check, images (vLLM 0.34.0; VLLM=0.32.0), offline models, suites and TTFT in containers, bundle
 	$(call refuse,bench-strix,BENCH_ARGS TURN_REPS TURN_ARGS,the container flow takes REPS= SHARED= CHECKPOINTS= MODEL= NODES= ONE_SERVER=)
 	$(ORCH) strix $(ORCH_BENCH)
 
 # The container flow would silently ignore BENCH_ARGS; it refuses them instead.
 NO_BENCH_ARGS = error: bench-cpu-image takes no BENCH_ARGS (the container flow would ignore them): it takes REPS=, SHARED=, CHECKPOINTS= and serves the Qwen3-Next tiny model only; for other bench arguments, --arch qwen3_5_moe included, run make bench-cpu BENCH_ARGS=\"...\" on the host
 
-bench-cpu-image: setup ## the same container flow for the cpu image (ENGINE=buildah without Docker)
+bench-cpu-image: setup ## the same container flow for the cpu image, on the pinned vLLM (ENGINE=buildah without Docker)
 	$(if $(strip $(BENCH_ARGS)),@echo "$(NO_BENCH_ARGS)" >&2; exit 2)
 	$(ORCH) cpu $(ORCH_BENCH)
 
-test-gb10: setup-host ## the regression suite and vLLM's prefix suite inside both gb10 images
+test-gb10: setup-host ## the regression suite and vLLM's prefix suite inside both gb10 images (vLLM 0.34.0; VLLM=0.32.0)
 	$(ORCH) gb10 --tests-only
 
-test-strix: setup-host ## the regression suite and vLLM's prefix suite inside both strix images
+test-strix: setup-host ## the regression suite and vLLM's prefix suite inside both strix images (vLLM 0.34.0; VLLM=0.32.0)
 	$(ORCH) strix --tests-only
 
 test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
 	$(ORCH) cpu --tests-only
 
-# var VLLM: a vLLM release from pins.toml (regress, upstream-suite, images); unset: the pinned one
+# var VLLM: a vLLM release from pins.toml (regress, upstream-suite: unset the pinned one; gb10/strix images: unset 0.34.0)
 VLLM ?=
 
 STRESS_SEEDS ?= 20
@@ -209,13 +210,13 @@ upstream-check: setup ## each change under upstream/ on pristine vLLM (its relea
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next
 	$(KIT) tiny-model --out .models/tiny-qwen3-next
 
-build-gb10: setup-host ## build the gb10 unpatched and patched images (docker buildx; BASE_IMAGE=, ARCH=, SOURCE_BUILD=1, VLLM=)
+build-gb10: setup-host ## build the gb10 unpatched and patched images of vLLM 0.34.0 (docker buildx; BASE_IMAGE=, ARCH=, SOURCE_BUILD=1, VLLM=0.32.0)
 	$(VENV_PY) -m kit.images.build gb10 $(IMAGE_OPTS)
 
-build-strix: setup-host ## build the strix unpatched and patched images (docker buildx; BASE_IMAGE= to override, VLLM= a later release)
+build-strix: setup-host ## build the strix unpatched and patched images of vLLM 0.34.0 (docker buildx; BASE_IMAGE= to override, VLLM=0.32.0)
 	$(VENV_PY) -m kit.images.build strix $(IMAGE_OPTS)
 
-build-cpu: setup ## build the cpu unpatched and patched images (docker buildx; BASE_IMAGE= to override)
+build-cpu: setup ## build the cpu unpatched and patched images of the pinned vLLM (docker buildx; BASE_IMAGE= to override)
 	$(VENV_PY) -m kit.images.build cpu $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM))
 
 lint-images: setup ## hadolint every Dockerfile (zero warnings; reasoned ignores only)

@@ -53,8 +53,8 @@ def test_bench_runs_the_target_the_host_is(
 
 
 def test_make_test_with_tests_runs_only_those(tmp_path: Path) -> None:
-    out = dry_run(tmp_path, "test", "TESTS=tests/test_pins.py")
-    assert "pytest -q -p no:cacheprovider tests/test_pins.py" in out
+    out = dry_run(tmp_path, "test", "TESTS=tests/pins/test_pins.py")
+    assert "pytest -q -p no:cacheprovider tests/pins/test_pins.py" in out
     assert "upstream_suite" not in out and "-m tree" not in out
     whole = dry_run(tmp_path, "test")
     assert "upstream_suite --reuse-flow" in whole and "upstream_suite --vllm newest" in whole

@@ -4,7 +4,7 @@ watchdog that stops it when the kit is gone): the container flow's ``buildah run
 processes (``kit.images.containers._ProcessContainer``) and its network-namespace
 holder (``BuildahEngine.network``), and the upstream suite's pytest runs
 (``kit.vllm_tree.upstream_suite.start_suite``). The bench's servers have their own
-test (tests/test_faults_servers.py). Each kit here is a small driver that starts the
+test (tests/bench/test_faults_servers.py). Each kit here is a small driver that starts the
 child the way the kit does, with a stand-in command; the test SIGKILLs the driver."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kit.process_group import WatchedPopen, group_members
-from tests.test_bench_faults import alive
+from tests.bench.test_bench_faults import alive
 
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent

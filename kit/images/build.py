@@ -77,12 +77,25 @@ def default_arch(target: str) -> str:
 def image_tag(target: str, stage: str, release: str | None = None, arch: str | None = None) -> str:
     # The sibling gets its own name so one host can hold both without confusion.
     name = target if arch in (None, ARCHES[target][0]) else f"{target}-{arch}"
-    return f"hybrid-prefix-kit/{name}:{release or pins.get('vllm.version')}-{stage}"
+    return f"hybrid-prefix-kit/{name}:{release or pins.image_release(target)}-{stage}"
 
 
-def lock_file(target: str, arch: str) -> Path | None:
-    """The hash lock an image installs from (the cpu image has its wheelhouse instead)."""
-    return None if target == "cpu" else LOCKS / f"{target}-{arch}.txt"
+def lock_file(target: str, arch: str, release: str | None = None) -> Path | None:
+    """The hash lock an image installs from for a release (default: the image's own,
+    ``pins.image_release``); the cpu image has its wheelhouse instead. The Dockerfiles
+    read the same path, ``locks/vllm-${VLLM_VERSION}/<target>-<arch>.txt``."""
+    if target == "cpu":
+        return None
+    return LOCKS / f"vllm-{release or pins.image_release(target)}" / f"{target}-{arch}.txt"
+
+
+def missing_lock(target: str, lock: Path) -> str:
+    """One line: the image's lock is not there, and what to run where."""
+    index = pins.load()["images"][target].get("torch_index")  # strix: AMD's wheel index
+    where = f"on a machine that reaches {index}" if index else "where pip's index is reachable"
+    return (
+        f"locks/{lock.relative_to(LOCKS)} is missing: run `make lock-deps` {where}, then commit it"
+    )
 
 
 def locked_vllm(lock: Path) -> str | None:
@@ -115,17 +128,14 @@ def docker_build_cmd(
             f"once on a machine that reaches the registry (it resolves the digest), or pass "
             f"BASE_IMAGE=<name>@sha256:<digest> to build anyway"
         )
-    lock = lock_file(target, arch)
+    lock = lock_file(target, arch, args["VLLM_VERSION"])
     if lock is not None and not lock.is_file():
-        raise mods.ModError(
-            f"locks/{lock.name} is missing: run `make lock-deps` where the indexes "
-            "it needs are reachable, then commit the file"
-        )
+        raise mods.ModError(missing_lock(target, lock))
     held = locked_vllm(lock) if lock is not None else None
-    if args.get("SOURCE_BUILD") == "0" and held != args["VLLM_VERSION"]:
+    if "SOURCE_BUILD" in args and held != args["VLLM_VERSION"]:
         raise mods.ModError(
-            f"locks/{lock.name if lock else '?'} holds the vLLM {held or 'no'} wheel, not "
-            f"{args['VLLM_VERSION']}: build that release from its tag with SOURCE_BUILD=1"
+            f"locks/{lock.relative_to(LOCKS) if lock else '?'} holds the vLLM {held or 'no'} "
+            f"wheel, not {args['VLLM_VERSION']}: run `make lock-deps` again"
         )
     if shutil.which("docker") or not shutil.which("podman"):
         cmd = ["docker", "buildx", "build", "--load"]
@@ -231,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm",
         metavar="RELEASE",
-        help="a vLLM release from pins.toml (default: the pinned one)",
+        help="a vLLM release the image builds (pins.toml [images.<target>]; "
+        "default: its vllm, the pinned one for cpu)",
     )
     args = parser.parse_args(argv)
     WHEELHOUSE.mkdir(exist_ok=True)  # the Dockerfiles COPY it; may stay empty

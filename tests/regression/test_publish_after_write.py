@@ -33,7 +33,7 @@ Each unsafe behaviour is a strict expected failure on a tree without the fence
 (0.32.0), and passes on one with it: 0.34.0's patched tree
 (``fix-eagle-fine-prefix-lookahead`` keys the fix's exports in
 ``Scheduler.update_from_output`` from ``ModelRunnerOutput.mamba_checkpoint_exports_written``;
-run there by tests/test_release_publish_after_write.py). vLLM's own prompt
+run there by tests/mods/test_release_publish_after_write.py). vLLM's own prompt
 checkpoint is keyed at allocation on every release: its cases stay expected
 failures until vLLM fences it.
 """
