@@ -298,3 +298,32 @@ if __name__ == "__main__":
     parser.add_argument("--token", required=True)
     options = parser.parse_args()
     raise SystemExit(_watch(options.token, options.grace))
+
+
+def run_watched(
+    args: list[str],
+    *,
+    check: bool = False,
+    capture_output: bool = False,
+    text: bool = False,
+    timeout: float | None = None,
+    grace: float = 10.0,
+    **kwargs,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a long child (an image build, a suite in a container):
+    it runs as a ``WatchedPopen``, so it dies with this process, SIGKILL included,
+    and Ctrl-C or ``timeout`` stops its whole group, not only the leader."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    proc = WatchedPopen(args, text=text, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.stop(grace)
+        raise
+    # The leader ended by itself: stop anything it left in its group, release the watchdog.
+    proc.stop(grace)
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done

@@ -2,10 +2,12 @@
 included (``kit.process_group.WatchedPopen``: a process group of their own and a
 watchdog that stops it when the kit is gone): the container flow's ``buildah run``
 processes (``kit.images.containers._ProcessContainer``) and its network-namespace
-holder (``BuildahEngine.network``), and the upstream suite's pytest runs
-(``kit.vllm_tree.upstream_suite.start_suite``). The bench's servers have their own
-test (tests/bench/test_faults_servers.py). Each kit here is a small driver that starts the
-child the way the kit does, with a stand-in command; the test SIGKILLs the driver."""
+holder (``BuildahEngine.network``), the upstream suite's pytest runs
+(``kit.vllm_tree.upstream_suite.start_suite``), and the image builds, debootstrap
+and the suites inside an image (``kit.process_group.run_watched``). The bench's
+servers have their own test (tests/bench/test_faults_servers.py). Each kit here is a
+small driver that starts the child the way the kit does, with a stand-in command; the
+test SIGKILLs the driver."""
 
 from __future__ import annotations
 
@@ -55,6 +57,10 @@ elif how == "upstream-suite":
     upstream_suite.pytest_command = lambda tree, tests_dir, *args: command
     tree = types.SimpleNamespace(release="stand-in", from_sdist=False)
     proc, junit = upstream_suite.start_suite("patched", home, home, tree)
+elif how == "image-build":
+    # The image builds, debootstrap and the suites in an image (run_watched).
+    from kit.process_group import run_watched
+    run_watched(command, check=True)
 elif how == "network-holder":
     from kit.images import containers
     engine = containers.BuildahEngine(storage=())
@@ -94,7 +100,7 @@ def _wait_gone(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-@pytest.mark.parametrize("how", ["container", "upstream-suite", "network-holder"])
+@pytest.mark.parametrize("how", ["container", "upstream-suite", "image-build", "network-holder"])
 def test_kill_9_of_the_kit_stops_its_watched_children(how: str, tmp_path: Path, leftovers) -> None:
     if how == "network-holder" and not _can_unshare_net():
         pytest.skip("no network namespace here (BuildahEngine.network needs unshare as root)")
@@ -140,3 +146,23 @@ def test_a_watched_child_stopped_by_the_kit_takes_its_group_and_watchdog(
     assert proc.watchdog.process.wait(timeout=10) == 0
     assert "stopping" not in log.read_text()
     proc.stop(grace=5)  # twice is harmless
+
+
+def test_run_watched_returns_like_subprocess_run_and_releases_its_watchdog(
+    tmp_path: Path,
+) -> None:
+    """``run_watched`` as the image builds use it: output captured, the exit status
+    checked (``CalledProcessError``), a timeout stops the child's whole group, and a
+    child that ended by itself leaves no watchdog behind."""
+    from kit.process_group import run_watched
+
+    done = run_watched([sys.executable, "-c", "print('built')"], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "built\n")
+    with pytest.raises(subprocess.CalledProcessError):
+        run_watched([sys.executable, "-c", "raise SystemExit(3)"], check=True)
+    child, state = tmp_path / "child.py", tmp_path / "pids"
+    child.write_text(CHILD)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_watched([sys.executable, str(child), str(state)], timeout=5)
+    pids = [int(line) for line in state.read_text().split()]
+    assert _wait_gone(pids, 30) == []

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from kit.paths import IMAGES_DIR, LOCKS, ROOT, WHEELHOUSE
+from kit.process_group import run_watched
 from kit.vllm_tree import mods, pins
 
 # The image stages: the release's modded trees (kit.vllm_tree.releases.STAGES less
@@ -253,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             print("+", shlex.join(cmd), flush=True)
             if not args.dry_run:
-                subprocess.run(cmd, check=True)
+                # Watched: the build dies with this process, SIGKILL included.
+                run_watched(cmd, check=True)
     except (mods.ModError, pins.PinError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

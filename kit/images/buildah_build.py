@@ -22,6 +22,7 @@ from pathlib import Path
 from kit.images import build as images
 from kit.images import buildah_storage
 from kit.paths import CACHE, IMAGES_DIR, ROOT, WHEELHOUSE
+from kit.process_group import run_watched
 from kit.vllm_tree import pins
 
 BUILDAH_CACHE = CACHE / "buildah"
@@ -37,7 +38,8 @@ class BuildError(RuntimeError):
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     print("+", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, check=True, **kw)
+    # Watched: debootstrap and buildah die with this process, SIGKILL included.
+    return run_watched(cmd, check=True, **kw)
 
 
 def require_tools() -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kit import bundle
 from kit.paths import ROOT
+from kit.process_group import run_watched
 from kit.vllm_tree import trees, upstream_suite
 from kit.weights.tiny_model import write_tiny_model
 
@@ -39,7 +40,8 @@ def _run(cmd: list[str], log: Path) -> int:
     with log.open("w") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        return subprocess.run(
+        # Watched: the suite's whole process group dies with this runner.
+        return run_watched(
             cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **ENV)
         ).returncode
 

@@ -55,6 +55,7 @@ from kit.images.containers import (
     engine_for,
 )
 from kit.paths import CACHE, MODELS_DIR, ROOT
+from kit.process_group import run_watched
 from kit.rig import regress
 from kit.vllm_tree import mods, pins, releases, sdists, upstream_suite
 from kit.weights import models
@@ -154,7 +155,8 @@ def ensure_images(engine, target: str, plan: argparse.Namespace) -> dict:
                     getattr(plan, "source_build", None),
                 )
                 log("+ " + shlex.join(cmd))
-                subprocess.run(cmd, check=True)
+                # Watched: a killed flow takes its image build with it.
+                run_watched(cmd, check=True)
             info = engine.image_info(ref)
             if not info or not images.is_current(info["labels"]):
                 raise OrchestrateError(
