@@ -138,12 +138,15 @@ def test_block_boundary_chunk_end_with_an_export_one_column_below(tiny_model_dir
 
 
 def test_the_eagle_fix_masks_the_kept_branch_loss(tiny_model_dir, tree_is_patched: bool) -> None:
-    """Patched tree only: fix-eagle-fine-prefix stops at 384 (the unit below the
-    prompt checkpoint), so the chunk ending at 400 starts on the boundary, has
-    no export, and 400 is published; the unpatched tree has no such stop."""
+    """Patched tree only: fix-eagle-fine-prefix keeps 368 and 384 (one unit below
+    the last block boundary and below the prompt checkpoint) as exports of the
+    first chunk (the layer writes its extra states at any offset), so that chunk
+    ends at the prompt checkpoint 400 with no export of its own, and 400 is
+    published from the chunk end."""
     if not tree_is_patched:
         pytest.skip("fix-eagle-fine-prefix's switch exists only on the patched tree")
     rig, a, b, bounds = run_case(tiny_model_dir, KEPT_BOUNDARY, fix=True)
-    assert rig.chunk_ends[a.request_id] == [368, 384, 400, 420]
+    assert rig.chunk_ends[a.request_id] == [400, 420]
+    assert rig.fix_exports[a.request_id] == [368, 384]
     assert 400 in rig.partial_entries_of(a.request_id, MAMBA_GROUP)
     assert b.hit == bounds.hit == 400 and b.resumed_from_own_prefix()
