@@ -193,11 +193,22 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         return states
 
     def prefill_reference(
-        *, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel
+        *,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        use_qk_l2norm_in_kernel,
+        use_cp,
     ):
         """FlashInfer's contract for a call that emits nothing: each sequence of
-        ``cu_seqlens`` from its initial state; (output, final states)."""
-        assert output_final_state and not use_qk_l2norm_in_kernel
+        ``cu_seqlens`` from its initial state; (output, final states). The tails
+        take the emitted states' kernel, never the context-parallel one."""
+        assert output_final_state and not use_qk_l2norm_in_kernel and use_cp is False
         bounds = cu_seqlens.tolist()
         finals = []
         for i in range(len(bounds) - 1):
@@ -295,6 +306,8 @@ def _on_tree(model_dir: Path, out: Path) -> None:
             tails = tail_states(md, plan, prefill_rows, rows, feats, refs, emitted)
             emitted = torch.cat([emitted, tails])
             tail_lens = plan.tails.cu_seqlens.diff().tolist()
+            # FlashInfer may read the bounds in place: 16-byte aligned.
+            assert plan.tails.cu_seqlens.storage_offset() % 2 == 0
         if plan.exports is not None:
             chk, starts = plan.exports, plan.export_query_starts
         else:
