@@ -6,9 +6,10 @@ only the leader orphans them. The kit starts such children as group leaders
 
 A group must also go when the kit cannot stop it (``kill -9`` of the kit, a closed
 terminal's SIGHUP, an out-of-memory kill): ``Watchdog`` is a small process per
-group that does it then (``WatchedPopen``: a child started so, the bench's servers
-aside, which start theirs themselves). Run as a script (``python process_group.py --token T``) it is
-that watchdog, so this module imports nothing but the standard library.
+group that does it then (``WatchedPopen`` and ``run_watched`` start a child so; the
+bench's servers start theirs themselves). Run as a script (``python process_group.py
+--token T``) it is that watchdog, so this module imports nothing but the standard
+library.
 """
 
 from __future__ import annotations
