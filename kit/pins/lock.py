@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument(
         "--only",
         action="append",
-        help="one lock: vllm-0.34.0/gb10-aarch64, or gb10-aarch64 for every release's",
+        help="one lock: vllm-<release>/<target>-<arch>, or <target>-<arch> for every release's",
     )
     d.add_argument(
         "--torch-index",
