@@ -183,6 +183,9 @@ def run_suites(runs: dict[str, tuple[WatchedPopen, Path]]) -> None:
     try:
         for proc, _ in runs.values():
             proc.wait()
+            # Ended by itself: stop whatever pytest left in its group and release
+            # the watchdog, which would otherwise do it (and log it) at our exit.
+            proc.stop(grace=10)
     except BaseException:
         for proc, junit in runs.values():
             proc.stop(grace=10)
