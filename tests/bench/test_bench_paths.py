@@ -15,7 +15,6 @@ import pytest
 from kit import schema
 from kit.bench import run as bench
 from kit.bench import serve_args, ttft, ttft_stats, turn_cost
-from kit.bench.openai_client import Completion
 from kit.bench.plan import BenchPlanError
 from kit.geometry.geometry_model import REGIMES, Geometry
 from kit.images import orchestrate
@@ -268,25 +267,6 @@ def test_each_path_names_a_geometry_regime() -> None:
 class _Stub:
     url = "http://stub"
     fix = False
-
-
-@pytest.fixture()
-def no_server(monkeypatch) -> None:
-    """ttft's requests answered in-process: cached tokens as the expectation of the
-    request kind the bench sends next (the rows' path is what is under test)."""
-
-    def complete(url, model, prompt, max_tokens, **_):
-        return Completion(0.01, 0, len(prompt), [7] * max_tokens, [-0.1] * max_tokens, [{7: -0.1}])
-
-    monkeypatch.setattr(ttft, "complete", complete)
-    # A /metrics with the counters and without vLLM's time histograms.
-    monkeypatch.setattr(
-        ttft,
-        "metrics_text",
-        lambda url: "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 0\n",
-    )
-    monkeypatch.setattr(ttft, "reset_prefix_cache", lambda url: None)
-    monkeypatch.setattr(ttft, "IDLE_GAP_S", 0)
 
 
 @pytest.mark.parametrize("path", serve_args.CHECKPOINT_PATHS)

@@ -17,7 +17,6 @@ import pytest
 from kit.bench import plan as bench_plan
 from kit.bench import run as bench
 from kit.bench import ttft, turn_cost
-from kit.bench.openai_client import Completion
 from kit.bench.plan import Side, carries_fix
 from kit.bench.serve import Server
 from kit.geometry.geometry_model import Geometry, expected
@@ -110,17 +109,7 @@ class _Stub:
 
 
 @pytest.mark.parametrize("fix", [False, True])
-def test_the_cached_follow_up_is_expected_the_servers_hit(fix: bool, monkeypatch) -> None:
-    def complete(url, model, prompt, max_tokens, **_):
-        return Completion(0.01, 0, len(prompt), [7] * max_tokens, [-0.1] * max_tokens, [{7: -0.1}])
-
-    monkeypatch.setattr(ttft, "complete", complete)
-    monkeypatch.setattr(
-        ttft,
-        "metrics_text",
-        lambda url: "vllm:prefix_cache_hits_total 0\nvllm:prefix_cache_queries_total 0\n",
-    )
-    monkeypatch.setattr(ttft, "reset_prefix_cache", lambda url: None)
+def test_the_cached_follow_up_is_expected_the_servers_hit(fix: bool, no_server) -> None:
     geo = Geometry(2048, 16, 1, 2048)
     shared = 1007  # S mod 16 = 15: the fix's case, where the two sides differ
     # The row's label is the same either way: the server's fix decides.

@@ -704,18 +704,9 @@ def test_nemotron_h_keeps_the_fix_states_at_no_step_on_the_real_spec(tmp_path: P
     the unpatched tree's chunk ends, so the fix adds no engine step."""
     from kit.geometry.geometry_cases import all_cases
     from kit.geometry.geometry_model import producer_chunk_ends
+    from tests.regression.test_nemotron_h import run_nemotron_h
 
-    out = tmp_path / "nemotron-h.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "kit.rig.nemotron_h", "--tree", f"{RELEASE}/patched"]
-        + ["--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = run_nemotron_h(tmp_path, "--tree", f"{RELEASE}/patched")
     assert result["spec"]["prefill_checkpoint_extra_exports"] is True
     assert result["cases"] == 108 and result["differ"] == []
     for _, case in all_cases("internal-1"):

@@ -33,23 +33,29 @@ def _loopback_up() -> bool:
     return True
 
 
-def test_mamba2_layer_declares_internal_checkpoints_and_the_model_holds(tmp_path: Path) -> None:
+def run_nemotron_h(tmp_path: Path, *args: str) -> dict:
+    """``python -m kit.rig.nemotron_h`` with ``args`` (default tree: the one this run
+    selects, KIT_TREE), its JSON result; skipped where loopback is down."""
     if not _loopback_up():
         # The layer needs vLLM's one-rank gloo group, which binds to loopback; the
         # images' suites run with no interface at all. The host run covers both trees.
         pytest.skip("no loopback interface here (the images' network-cut suites)")
     out = tmp_path / "nemotron-h.json"
-    # The child selects the same tree this run does (KIT_TREE: a pinned tree here,
-    # the installed one inside the images).
     run = subprocess.run(
-        [sys.executable, "-m", "kit.rig.nemotron_h", "--out", str(out)],
+        [sys.executable, "-m", "kit.rig.nemotron_h", *args, "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_mamba2_layer_declares_internal_checkpoints_and_the_model_holds(tmp_path: Path) -> None:
+    # The child selects the same tree this run does (KIT_TREE: a pinned tree here,
+    # the installed one inside the images).
+    result = run_nemotron_h(tmp_path)
     # What the grid's internal-1 regime assumes, now read off the real layer.
     assert result["spec"]["num_prefill_checkpoint_blocks"] == 1
     assert result["spec"]["prefill_checkpoint_alignment"] == 1
