@@ -131,7 +131,7 @@ kernel-check: setup ## the kit's CPU kernels (align copies, CPU GDN) against vLL
 # var DEVICE_PYTHON: the Python of device-check, with torch and Triton (default python3)
 DEVICE_PYTHON ?= python3
 .PHONY: device-check
-device-check: ## on a GPU machine: the same checks with vLLM's compiled Triton kernels (0.32.0; FLA and SSD also 0.34.0), from the repository alone; results/kernel-check-cuda.json (DRY_RUN=1: interpreter, CPU, tiny cases)
+device-check: ## on a GPU machine: the same checks with vLLM's compiled Triton kernels (0.32.0; FLA and SSD also 0.34.0, FLA also 0.34.0's patched tree), from the repository alone; results/kernel-check-cuda.json (DRY_RUN=1: interpreter, CPU, tiny cases)
 	$(DEVICE_PYTHON) kit/kernels/triton_check.py --bundle kit/kernels/device_bundle \
 	  $(if $(filter 1,$(DRY_RUN)),--dry-run --out .cache/device-check-dry-run.json,--device cuda --out results/kernel-check-cuda.json)
 

@@ -39,7 +39,9 @@ same inputs and compares.
     ones, and the exported states must match a float64 recurrence and, for GDN,
     the CPU export of mod ``cpu-gdn-prefill-checkpoint`` where the tree has it.
     These, and ``gdn``, also run on vLLM 0.34.0's kernel files (LATER_RELEASES),
-    under ``releases`` in the result.
+    under ``releases`` in the result; ``gdn`` also on that release's patched tree
+    (PATCHED_FLA: FLA as fix-eagle-fine-prefix-exports changes it), where keeping
+    ``h`` in float32 must leave the output and final states bit for bit.
 
 ``--perturb`` breaks the CPU side on purpose (``align-bias``: the accepted-token
 bias off by one in the mod's post-copy decision; ``gdn-position``: each chunk
@@ -89,6 +91,11 @@ KINDS = ("postprocess", "precopy", "batch_memcpy", "gdn", "gdn_export", "ssd_exp
 # newest in pins.toml.
 LATER_RELEASES = (known_releases.newest(),)
 LATER_KINDS = ("gdn", "gdn_export", "ssd_export")
+# The newest release's FLA files as fix-eagle-fine-prefix-exports changes them (h
+# kept in float32 for the Triton GDN path's in-pass exports), from its patched
+# tree: the ``gdn`` cases, plus that path's own bit-for-bit checks.
+PATCHED_FLA = (known_releases.newest(), "patched")
+PATCHED_KINDS = ("gdn",)
 # The device bundle (make device-check): cases, kernel files, manifest; in the
 # repository, so that a GPU machine needs nothing else.
 DEVICE_BUNDLE = HERE / "device_bundle"
@@ -954,6 +961,19 @@ def kernel_sources(dest: Path, version: str | None = None) -> Path:
     return dest
 
 
+def patched_fla_tree() -> Any:
+    """The release tree whose FLA files carry fix-eagle-fine-prefix-exports."""
+    from kit.vllm_tree import releases
+
+    return releases.tree(*PATCHED_FLA)
+
+
+def patched_fla_key() -> str:
+    """Its name under ``releases`` in a result and a bundle manifest (also a file
+    name: the device script keeps each release's files and result under it)."""
+    return "-".join(PATCHED_FLA)
+
+
 def _triton_side(
     python: Path, kernels: Path, cases: Path, out: Path, kinds: tuple[str, ...] | None = None
 ) -> dict[str, Any]:
@@ -1024,6 +1044,18 @@ def run(
             later_result["kernels"] = f"vllm-{version}.tar.gz (sha256-checked sdist)"
             result["releases"][version] = later_result
             result["ok"] = result["ok"] and later_result["ok"]
+        if later and kernels is None and not perturb and "gdn" in present:
+            tree = patched_fla_tree()
+            patched = _triton_side(
+                python,
+                tree.package.parent,
+                work / "cases.pt",
+                work / "result-patched.json",
+                PATCHED_KINDS,
+            )
+            patched["kernels"] = f"{_shown(tree.package)} (mods applied)"
+            result["releases"][patched_fla_key()] = patched
+            result["ok"] = result["ok"] and patched["ok"]
     if kernels is None:
         from kit.vllm_tree import pins
 
@@ -1094,6 +1126,14 @@ def export(dest: Path = DEVICE_BUNDLE, perturb: str | None = None) -> dict[str, 
                 "sha256": pins.file_sha256(dest / name),
                 "kinds": list(kinds),
             }
+        tree = patched_fla_tree().package.parent
+        name = f"kernels-{patched_fla_key()}.tar.gz"
+        _write_tar(tree, _bundle_members(tree), dest / name)
+        releases[patched_fla_key()] = {
+            "kernels": name,
+            "sha256": pins.file_sha256(dest / name),
+            "kinds": list(PATCHED_KINDS),
+        }
     manifest = {
         "made_by": "kit kernel-check --export (kit/kernels/check.py)",
         "note": "python kit/kernels/triton_check.py --bundle DIR --device cuda --out R.json",
@@ -1127,6 +1167,10 @@ def _case_line(case: dict[str, Any]) -> str:
             )
             if "mid_states" in exp:
                 detail += f", inside chunks rel {exp['mid_states']['max_rel']:.2e}"
+        if "wide_h" in case:
+            wide = case["wide_h"]
+            same = wide["output_bitwise"] and wide["final_bitwise"] and wide["h_rounds_to_stock"]
+            detail += f"; float32 h: {'output, final and h as stock' if same else 'DIFFERS'}"
     elif case["kind"] in ("gdn_export", "ssd_export"):
         pos = case["positions"]
         refused = sum(len(r) for r in pos["refused"])

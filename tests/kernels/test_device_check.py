@@ -106,10 +106,16 @@ def test_bundle_is_whole_and_fits_a_device_run() -> None:
         total += (BUNDLE / name).stat().st_size
     # The device machine takes the working tree, 64 MiB of carried paths at most.
     assert total < 32 << 20
-    assert set(manifest["releases"]) == {pins.get("vllm.version"), *kernel_check.LATER_RELEASES}
+    patched = kernel_check.patched_fla_key()
+    assert set(manifest["releases"]) == {
+        pins.get("vllm.version"),
+        *kernel_check.LATER_RELEASES,
+        patched,
+    }
     assert manifest["releases"][pins.get("vllm.version")]["kinds"] == list(kernel_check.KINDS)
     for version in kernel_check.LATER_RELEASES:
         assert manifest["releases"][version]["kinds"] == list(kernel_check.LATER_KINDS)
+    assert manifest["releases"][patched]["kinds"] == list(kernel_check.PATCHED_KINDS)
     assert manifest["tiny"] == {name: kind for kind, name in kernel_check.TINY_CASES.items()}
 
 
@@ -127,11 +133,29 @@ def test_bundle_holds_every_kind_and_the_export_cases() -> None:
             assert any(case["off_grid"]) and all(case["requested"]), case["name"]
 
 
+def _bundled(release: dict[str, Any]) -> dict[str, bytes]:
+    with tarfile.open(BUNDLE / release["kernels"]) as bundled:
+        return {m.name: bundled.extractfile(m).read() for m in bundled if m.isfile()}  # type: ignore[union-attr]
+
+
+def test_bundle_patched_kernels_are_the_patched_trees_files() -> None:
+    """The patched entry: the release's patched tree, mods applied, file for file."""
+    patched = kernel_check.patched_fla_key()
+    ours = _bundled(_manifest()["releases"][patched])
+    root = kernel_check.patched_fla_tree().package.parent
+    assert "vllm/third_party/flash_linear_attention/ops/chunk.py" in ours
+    for name, data in ours.items():
+        assert (root / name).read_bytes() == data, name
+    chunk = ours["vllm/third_party/flash_linear_attention/ops/chunk.py"].decode()
+    assert "def chunk_gated_delta_rule_with_chunk_states(" in chunk
+
+
 @pytest.mark.slow
 def test_bundle_kernels_are_the_sdists_files_verbatim() -> None:
     for version, release in _manifest()["releases"].items():
-        with tarfile.open(BUNDLE / release["kernels"]) as bundled:
-            ours = {m.name: bundled.extractfile(m).read() for m in bundled if m.isfile()}  # type: ignore[union-attr]
+        if version == kernel_check.patched_fla_key():
+            continue  # the patched tree's (the test above)
+        ours = _bundled(release)
         assert "vllm/v1/worker/mamba_utils.py" in ours
         assert "vllm/model_executor/layers/mamba/ops/ssd_combined.py" in ours
         top, seen = f"vllm-{version}/", set()
@@ -210,3 +234,7 @@ def test_dry_run_matches_every_tiny_case_on_every_release(triton_env: Path, tmp_
         for case in release["cases"]:
             if case["kind"] in ("gdn_export", "ssd_export"):
                 assert case["positions"]["as_expected"], (version, case["name"])
+            # The patched FLA's float32 h, bit for bit as stock where it must be.
+            wide = case.get("wide_h")
+            assert (wide is not None) == (version == kernel_check.patched_fla_key())
+            assert wide is None or all(wide.values()), (version, case["name"])

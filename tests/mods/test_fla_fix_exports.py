@@ -1,0 +1,377 @@
+"""Internal checkpoints on vLLM 0.34.0's Triton/FLA GDN path (mod
+``fix-eagle-fine-prefix-exports``), checked on the CPU with vLLM's real kernels.
+
+Where the GDN prefill runs on Triton (FLA: ROCm without the HIP kernel, CUDA
+where FlashInfer is not chosen), stock 0.34.0 declares no internal checkpoint,
+so the scheduler ends a chunk at every state it keeps (the split path). FLA's
+chunk kernel already holds each sequence's state before every 64-token chunk
+(``h``). With the mod the layer declares the same 64-token grid as on
+FlashInfer, keeps ``h`` in float32 for a batch that exports, picks the planned
+states from it and runs the off-grid ones as short tails, in the same pass.
+
+Two sides, as in ``test_mamba2_fix_exports.py``:
+
+- on the release tree's patched stage (``on-tree``): vLLM's own
+  ``GDNAttentionMetadataBuilder`` on its Triton backend (what the CPU resolves)
+  plans a batch with a decode row, vLLM's prompt checkpoints and the fix's
+  extras, on and off the grid;
+- under Triton's interpreter (.venv-triton): vLLM's FLA kernels, from the
+  tree's files, run that plan the way the layer does
+  (``chunk_gated_delta_rule_with_chunk_states``, ``gather_chunk_states``, then
+  the tails through FLA with the plan's chunk metadata). Every export must be
+  bit for bit the final state of FLA run over the row's tokens up to it (the
+  state the split path stores) and near a float64 sequential recurrence; the
+  output and final states must be bit for bit stock FLA's.
+
+Not run here: the layer's forward itself (its conv and projections need
+vLLM's custom ops) and the exporter's block writes (``test_flashinfer_fix_exports.py``
+runs that kernel on the same plan layout).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kit.vllm_tree import releases, trees
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE = "0.34.0"
+BLOCK = 256  # Mamba block (align mode)
+GRID = 64  # FLA's chunk, the layer's checkpoint grid
+STATE_LEN = 3
+COLS = 8
+# Rows (seq_len, query_len, prefilling); exports (position, block) per row.
+DECODE = (500, 1, False)
+COLD = (600, 600, True)  # prompt checkpoint at 576; extras 512, 448 (grid), 500 (tail)
+RESUMED = (1000, 300, True)  # query from 700: extras at offsets 128, 256 and 196 (a tail)
+SHORT = (130, 130, True)  # one block: no checkpoint, but emitted at the batch stride
+ROWS = [DECODE, COLD, RESUMED, SHORT]
+EXPORTS = {
+    1: [(512, 1001), (448, 1002), (500, 1003)],
+    2: [(828, 1011), (956, 1012), (896, 1013)],
+}
+
+
+def _on_tree(model_dir: Path, out: Path) -> None:
+    import torch
+    import vllm.triton_utils
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.gdn_attn import (
+        GDNAttentionMetadataBuilder,
+        fla_chunk_state_sources,
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    vllm.triton_utils.HAS_TRITON = True
+    from kit.geometry.geometry_model import Geometry
+    from kit.rig.sched_harness import build_vllm_config
+
+    config = build_vllm_config(model_dir, Geometry(BLOCK, GRID, 1, checkpoints="internal-grid"))
+    config.cache_config.hash_block_size = GRID
+    config.cache_config.cache_hit_alignment_tokens = GRID
+    spec = MambaSpec(
+        block_size=BLOCK,
+        shapes=((5, STATE_LEN), (2, 4, 4)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1,
+        prefill_checkpoint_alignment=GRID,
+        prefill_checkpoint_extra_exports=True,
+    )
+    qsl = torch.tensor([0, *itertools.accumulate(q for _, q, _ in ROWS)], dtype=torch.int32)
+    seqs = torch.tensor([s for s, _, _ in ROWS], dtype=torch.int32)
+    cols = torch.arange(COLS, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seqs,
+        num_reqs=len(ROWS),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(q for _, q, _ in ROWS),
+        max_seq_len=int(seqs.max()),
+        block_table_tensor=torch.stack([100 * r + cols + 1 for r in range(len(ROWS))]),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seqs.clone(),
+        is_prefilling=torch.tensor([p for _, _, p in ROWS]),
+        mamba_checkpoint_exports=EXPORTS,
+    )
+    builder = GDNAttentionMetadataBuilder(spec, ["layer"], config, torch.device("cpu"))
+    md = builder.build(0, common)
+    plan = md.flashinfer_checkpoint_plan
+    tails = plan.tails
+    chk, starts = plan.exports, plan.export_query_starts
+    exports = [
+        {"start": s, "offset": o, "block": b, "row": r}
+        for s, o, b, r in zip(
+            starts.tolist(),
+            chk.checkpoint_offsets.tolist(),
+            chk.state_indices.tolist(),
+            plan.rows.tolist(),
+            strict=True,
+        )
+    ]
+    result = {
+        "backend": builder.gdn_prefill_backend,
+        "plans": builder.plan_flashinfer_checkpoints,
+        "num_decode_tokens": md.num_decode_tokens,
+        "every_n_tokens": plan.every_n_tokens,
+        "num_checkpoints": plan.num_checkpoints,
+        "prefill_query_start_loc": md.prefill_query_start_loc.tolist(),
+        "has_initial_state": md.prefill_has_initial_state.tolist(),
+        "chunk_indices": md.chunk_indices.tolist(),
+        "chunk_offsets": md.chunk_offsets.tolist(),
+        "chunk_states": plan.chunk_states.tolist(),
+        "exports": exports,
+        "tails": {
+            "token_indices": tails.token_indices.tolist(),
+            "cu_seqlens": tails.cu_seqlens.tolist(),
+            "sources": tails.sources.tolist(),
+            "sequences": tails.sequences.tolist(),
+            "chunk_indices": tails.chunk_indices.tolist(),
+            "chunk_offsets": tails.chunk_offsets.tolist(),
+        },
+        "sources_literal": {
+            "every_64": fla_chunk_state_sources(64, [130, 64, 200], 64),
+            "every_128": fla_chunk_state_sources(128, [300, 256], 64),
+        },
+    }
+    try:
+        fla_chunk_state_sources(96, [300], 64)
+        result["sources_literal"]["off_chunk"] = "accepted"
+    except ValueError as exc:
+        result["sources_literal"]["off_chunk"] = str(exc)
+    (out / "plan.json").write_text(json.dumps(result, indent=1))
+
+
+# --------------------------------------------------------------------------
+# The .venv-triton side: vLLM's FLA kernels on the builder's plan
+# --------------------------------------------------------------------------
+
+_TRITON_SIDE = r"""
+import json, sys
+from pathlib import Path
+import torch
+
+kit_dir, tree_root, plan_json, out = map(Path, sys.argv[1:5])
+sys.path.insert(0, str(kit_dir / "kernels"))
+sys.path.insert(0, str(kit_dir.parent))
+import triton_check
+from kit.kernels.check import _bf16_normal, _float64_states
+
+chunk = triton_check.load_fla(tree_root)
+plan = json.loads(plan_json.read_text())
+half = torch.float16 if triton_check.interpreting() else torch.bfloat16
+K_HEADS, V_HEADS, D = 1, 2, 64
+qsl = plan["prefill_query_start_loc"]
+total = qsl[-1]
+gen = torch.Generator().manual_seed(34)
+q = _bf16_normal(gen, 1, total, K_HEADS, D).to(half)
+k = _bf16_normal(gen, 1, total, K_HEADS, D).to(half)
+q = torch.nn.functional.normalize(q.float(), dim=-1).to(half)
+k = torch.nn.functional.normalize(k.float(), dim=-1).to(half)
+v = _bf16_normal(gen, 1, total, V_HEADS, D).to(half)
+g = -(torch.rand(1, total, V_HEADS, generator=gen) * 0.4 + 0.01)
+beta = torch.rand(1, total, V_HEADS, generator=gen).clamp(0.05).to(half)
+h0 = torch.randn(len(qsl) - 1, V_HEADS, D, D, generator=gen) * 0.1
+for n, has in enumerate(plan["has_initial_state"]):
+    if not has:
+        h0[n] = 0
+cu = torch.tensor(qsl, dtype=torch.int64)
+ci = torch.tensor(plan["chunk_indices"], dtype=torch.int64)
+co = torch.tensor(plan["chunk_offsets"], dtype=torch.int64)
+
+# The layer's path: FLA keeping h in float32, the planned states picked from it.
+o, final, h = chunk.chunk_gated_delta_rule_with_chunk_states(
+    q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu,
+    chunk_indices=ci, chunk_offsets=co, chunk_state_dtype=torch.float32,
+)
+emitted = chunk.gather_chunk_states(h, final, torch.tensor(plan["chunk_states"]))
+# Stock FLA on the same batch (h in the inputs' dtype).
+stock_o, stock_final = chunk.chunk_gated_delta_rule(
+    q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+    cu_seqlens=cu, chunk_indices=ci, chunk_offsets=co,
+)
+# The tails, as run_flashinfer_tails runs them with fla_tail_prefill.
+t = {key: torch.tensor(val) for key, val in plan["tails"].items()}
+start = h0[t["sequences"]].to(torch.float32)
+picked = emitted[t["sources"].clamp(min=0)]
+start = torch.where((t["sources"] >= 0).view(-1, 1, 1, 1), picked, start)
+index = t["token_indices"]
+_, tail_states = chunk.chunk_gated_delta_rule(
+    q=q[:, index], k=k[:, index], v=v[:, index], g=g[:, index], beta=beta[:, index],
+    initial_state=start, output_final_state=True, cu_seqlens=t["cu_seqlens"],
+    chunk_indices=t["chunk_indices"].view(-1, 2), chunk_offsets=t["chunk_offsets"],
+)
+recurrent = torch.cat([emitted, tail_states])
+
+checks = []
+for e in plan["exports"]:
+    if e["block"] == 0:
+        continue
+    n = qsl.index(e["start"] - plan["num_decode_tokens"])
+    a, p = qsl[n], e["offset"]
+    got = recurrent[e["row"]]
+    # What the split path stores: FLA over the row's first p tokens.
+    sl = slice(a, a + p)
+    _, prefix_final = chunk.chunk_gated_delta_rule(
+        q=q[:, sl], k=k[:, sl], v=v[:, sl], g=g[:, sl], beta=beta[:, sl],
+        initial_state=h0[n : n + 1], output_final_state=True,
+        cu_seqlens=torch.tensor([0, p]),
+    )
+    ref = _float64_states(
+        q[0, sl].float(), k[0, sl].float(), v[0, sl].float(), g[0, sl],
+        beta[0, sl].float(), h0[n].transpose(-1, -2).double(), [p],
+    )[0].transpose(-1, -2)
+    scale = float(ref.abs().max())
+    checks.append({
+        "sequence": n, "offset": p, "block": e["block"],
+        "tail": e["row"] >= plan["num_checkpoints"],
+        "split_bitwise": bool(torch.equal(got, prefix_final[0].float())),
+        "reference_rel": float((got.double() - ref).abs().max()) / scale,
+    })
+json.dump({
+    "exports": checks,
+    "output_bitwise": bool(torch.equal(o, stock_o)),
+    "final_bitwise": bool(torch.equal(final, stock_final)),
+}, open(out, "w"), indent=1)
+"""
+
+
+@pytest.fixture(scope="module")
+def release_tree() -> trees.Tree:
+    return releases.tree(RELEASE, "patched")
+
+
+@pytest.fixture(scope="module")
+def plan(
+    release_tree: trees.Tree, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("fla-exports")
+    cmd = [sys.executable, __file__, "on-tree", str(tiny_model_dir), str(out)]
+    env = release_tree.env(VLLM_LOGGING_LEVEL="ERROR")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads((out / "plan.json").read_text()), out / "plan.json"
+
+
+def _run_kernels(plan_json: Path, release_tree: trees.Tree, triton_env: Path) -> dict:
+    result = plan_json.with_suffix(".kernels.json")
+    cmd = [
+        str(triton_env),
+        "-c",
+        _TRITON_SIDE,
+        str(ROOT / "kit"),
+        str(release_tree.package.parent),
+        str(plan_json),
+        str(result),
+    ]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ""}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(result.read_text())
+
+
+@pytest.fixture(scope="module")
+def kernels(plan, release_tree: trees.Tree, triton_env: Path) -> dict:
+    return _run_kernels(plan[1], release_tree, triton_env)
+
+
+@pytest.fixture(scope="module")
+def kernels_one_chunk_early(plan, release_tree: trees.Tree, triton_env: Path) -> dict:
+    """The same plan with every state taken from h one chunk early."""
+    early = dict(plan[0])
+    early["chunk_states"] = [s - 1 if s > 0 else s for s in plan[0]["chunk_states"]]
+    path = plan[1].with_name("early.json")
+    path.write_text(json.dumps(early))
+    return _run_kernels(path, release_tree, triton_env)
+
+
+def test_the_triton_backend_plans_internal_checkpoints(plan) -> None:
+    """The CPU resolves the Triton backend: with the grid declared, vLLM's builder
+    plans the batch's states (stock 0.34.0 plans only FlashInfer's)."""
+    got = plan[0]
+    assert (got["backend"], got["plans"]) == ("triton", True)
+    # One stride for the batch: 64 (500 and 196 are tails from 448 and 192).
+    assert got["every_n_tokens"] == 64
+    exports = sorted((e["start"], e["offset"], e["block"]) for e in got["exports"])
+    # Non-spec starts: the decode row's one token, then COLD, RESUMED, SHORT.
+    cold, resumed = 1, 601
+    assert [(s, o, b) for s, o, b in exports if b] == sorted(
+        [
+            (cold, 576, 102),  # vLLM's prompt checkpoint, where its builder puts it
+            (cold, 512, 1001),
+            (cold, 448, 1002),
+            (cold, 500, 1003),
+            (resumed, 128, 1011),
+            (resumed, 256, 1012),
+            (resumed, 196, 1013),
+        ]
+    )
+
+
+def test_chunk_state_sources_point_into_h_or_the_final_state(plan) -> None:
+    """Literal layouts: h holds sequence n's state after i chunks at
+    ``chunk_offsets[n] + i``; a state at the query's end is the final state."""
+    lit = plan[0]["sources_literal"]
+    # [130, 64, 200]: chunk offsets 0, 3, 4; states after 64 and 128 of the
+    # first, the end (64) of the second, after 64, 128 and 192 of the third.
+    assert lit["every_64"] == [1, 2, -2, 5, 6, 7]
+    # [300, 256] every 128: chunk offsets 0, 5; 128, 256 | 128, then 256 = end.
+    assert lit["every_128"] == [2, 4, 7, -2]
+    assert "not every 96" in lit["off_chunk"]
+    got = plan[0]
+    # The batch: COLD (600) chunk 0-9, RESUMED (300) 10-14, SHORT (130) 15-17.
+    assert got["chunk_offsets"] == [0, 10, 15, 18]
+    assert got["chunk_states"] == (list(range(1, 10)) + list(range(11, 15)) + [16, 17])
+
+
+def test_tails_are_one_fla_chunk_each(plan) -> None:
+    tails = plan[0]["tails"]
+    n = len(tails["sources"])
+    assert n == 2  # 500 from 448, 196 from 192
+    assert tails["cu_seqlens"] == [0, 52, 56]
+    assert tails["chunk_indices"] == [[0, 0], [1, 0]]
+    assert tails["chunk_offsets"] == [0, 1, 2]
+
+
+def test_every_export_is_the_split_paths_state_bit_for_bit(kernels) -> None:
+    """The state the layer exports equals FLA's final state over the row's tokens
+    up to that position, which the split path would have stored, and agrees with
+    a float64 sequential recurrence."""
+    checks = kernels["exports"]
+    assert len(checks) == 7
+    assert any(c["tail"] for c in checks)
+    for c in checks:
+        assert c["split_bitwise"], c
+        assert c["reference_rel"] < 0.02, c
+
+
+def test_a_plan_one_chunk_early_fails(kernels_one_chunk_early) -> None:
+    """The comparison sees a state taken from the wrong chunk of h, tails included
+    (they start from a picked state)."""
+    checks = kernels_one_chunk_early["exports"]
+    assert not any(c["split_bitwise"] for c in checks)
+    assert any(c["reference_rel"] > 0.1 for c in checks)
+
+
+def test_keeping_h_wide_changes_nothing_else(kernels) -> None:
+    """FLA's output kernel reads h in q's dtype: a float32 h leaves the output and
+    the final states bit for bit as stock FLA gives them."""
+    assert kernels["output_bitwise"]
+    assert kernels["final_bitwise"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["on-tree"]:
+        _on_tree(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        sys.exit(f"usage: {sys.argv[0]} on-tree MODEL_DIR OUT_DIR")
