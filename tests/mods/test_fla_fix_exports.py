@@ -144,6 +144,18 @@ def _on_tree(model_dir: Path, out: Path) -> None:
             "every_128": fla_chunk_state_sources(128, [300, 256], 64),
         },
     }
+    # Who opts in: on CUDA or ROCm only with the fix switched on and EAGLE/MTP.
+    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as layer
+
+    spec_config = config.speculative_config
+    opts_in = {}
+    for cuda_alike, fix, spec in itertools.product((True, False), repeat=3):
+        layer.current_platform.is_cuda_alike = lambda value=cuda_alike: value
+        config.cache_config.enable_mamba_eagle_predecessor_checkpoint = fix
+        config.speculative_config = spec_config if spec else None
+        key = f"cuda_alike={cuda_alike} fix={fix} speculative={spec}"
+        opts_in[key] = layer.fla_exports_checkpoints(config)
+    result["opts_in"] = opts_in
     try:
         fla_chunk_state_sources(96, [300], 64)
         result["sources_literal"]["off_chunk"] = "accepted"
@@ -316,6 +328,15 @@ def test_the_triton_backend_plans_internal_checkpoints(plan) -> None:
             (resumed, 196, 1013),
         ]
     )
+
+
+def test_only_the_fix_with_speculation_opts_in(plan) -> None:
+    """In-pass checkpoints on FLA change which states a prefill keeps (vLLM's grid
+    checkpoint instead of block-boundary chunk ends), so the layer takes them only
+    for the fix: switched on, with EAGLE/MTP, where the prefill runs on a GPU."""
+    opts_in = plan[0]["opts_in"]
+    assert opts_in.pop("cuda_alike=True fix=True speculative=True") is True
+    assert len(opts_in) == 7 and not any(opts_in.values()), opts_in
 
 
 def test_chunk_state_sources_point_into_h_or_the_final_state(plan) -> None:
