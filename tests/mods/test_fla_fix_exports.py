@@ -46,7 +46,9 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = "0.34.0"
 BLOCK = 256  # Mamba block (align mode)
-GRID = 64  # FLA's chunk, the layer's checkpoint grid
+GRID = 64  # FLA's chunk, the layer's checkpoint grid with H = 64
+# With H = 128 the grid is 128: a tail may span two of FLA's 64-token chunks.
+GRIDS = (GRID, 128)
 STATE_LEN = 3
 COLS = 8
 # Rows (seq_len, query_len, prefilling); exports (position, block) per row.
@@ -62,12 +64,19 @@ EXPORTS = {
 
 
 def _on_tree(model_dir: Path, out: Path) -> None:
+    """Each grid's plan as ``plan-<grid>.json``; the literal checks in the 64 one."""
+    for grid in GRIDS:
+        (out / f"plan-{grid}.json").write_text(json.dumps(_plan(model_dir, grid), indent=1))
+
+
+def _plan(model_dir: Path, grid: int) -> dict:
     import torch
     import vllm.triton_utils
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.gdn_attn import (
         GDNAttentionMetadataBuilder,
         fla_chunk_state_sources,
+        fla_tail_chunks,
     )
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -75,16 +84,17 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     from kit.geometry.geometry_model import Geometry
     from kit.rig.sched_harness import build_vllm_config
 
-    config = build_vllm_config(model_dir, Geometry(BLOCK, GRID, 1, checkpoints="internal-grid"))
-    config.cache_config.hash_block_size = GRID
-    config.cache_config.cache_hit_alignment_tokens = GRID
+    # The grid is lcm(H, 64): H = grid here.
+    config = build_vllm_config(model_dir, Geometry(BLOCK, grid, 1, checkpoints="internal-grid"))
+    config.cache_config.hash_block_size = grid
+    config.cache_config.cache_hit_alignment_tokens = grid
     spec = MambaSpec(
         block_size=BLOCK,
         shapes=((5, STATE_LEN), (2, 4, 4)),
         dtypes=(torch.float32, torch.float32),
         mamba_cache_mode="align",
         num_prefill_checkpoint_blocks=1,
-        prefill_checkpoint_alignment=GRID,
+        prefill_checkpoint_alignment=grid,
         prefill_checkpoint_extra_exports=True,
     )
     qsl = torch.tensor([0, *itertools.accumulate(q for _, q, _ in ROWS)], dtype=torch.int32)
@@ -143,7 +153,18 @@ def _on_tree(model_dir: Path, out: Path) -> None:
             "every_64": fla_chunk_state_sources(64, [130, 64, 200], 64),
             "every_128": fla_chunk_state_sources(128, [300, 256], 64),
         },
+        "tail_chunks_literal": fla_tail_chunks([52, 116, 64, 1], 64),
     }
+    if grid != GRID:
+        return result
+    # KDA on Triton (Kimi-K3 on ROCm) shares this builder with a 64-token grid and
+    # no extras: it plans its own checkpoints, not these.
+    from dataclasses import replace
+
+    kda_like = replace(spec, prefill_checkpoint_extra_exports=False)
+    result["plans_without_extras"] = GDNAttentionMetadataBuilder(
+        kda_like, ["layer"], config, torch.device("cpu")
+    ).plan_flashinfer_checkpoints
     # Who opts in: on CUDA or ROCm only with the fix switched on and EAGLE/MTP.
     import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as layer
 
@@ -161,7 +182,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         result["sources_literal"]["off_chunk"] = "accepted"
     except ValueError as exc:
         result["sources_literal"]["off_chunk"] = str(exc)
-    (out / "plan.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 # --------------------------------------------------------------------------
@@ -264,15 +285,23 @@ def release_tree() -> trees.Tree:
 
 
 @pytest.fixture(scope="module")
-def plan(
+def plans(
     release_tree: trees.Tree, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[dict, Path]:
+) -> dict[int, tuple[dict, Path]]:
     out = tmp_path_factory.mktemp("fla-exports")
     cmd = [sys.executable, __file__, "on-tree", str(tiny_model_dir), str(out)]
     env = release_tree.env(VLLM_LOGGING_LEVEL="ERROR")
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((out / "plan.json").read_text()), out / "plan.json"
+    return {
+        grid: (json.loads((out / f"plan-{grid}.json").read_text()), out / f"plan-{grid}.json")
+        for grid in GRIDS
+    }
+
+
+@pytest.fixture(scope="module")
+def plan(plans) -> tuple[dict, Path]:
+    return plans[GRID]
 
 
 def _run_kernels(plan_json: Path, release_tree: trees.Tree, triton_env: Path) -> dict:
@@ -292,9 +321,9 @@ def _run_kernels(plan_json: Path, release_tree: trees.Tree, triton_env: Path) ->
     return json.loads(result.read_text())
 
 
-@pytest.fixture(scope="module")
-def kernels(plan, release_tree: trees.Tree, triton_env: Path) -> dict:
-    return _run_kernels(plan[1], release_tree, triton_env)
+@pytest.fixture(scope="module", params=GRIDS, ids=lambda grid: f"grid{grid}")
+def kernels(request, plans, release_tree: trees.Tree, triton_env: Path) -> dict:
+    return _run_kernels(plans[request.param][1], release_tree, triton_env)
 
 
 @pytest.fixture(scope="module")
@@ -312,6 +341,7 @@ def test_the_triton_backend_plans_internal_checkpoints(plan) -> None:
     plans the batch's states (stock 0.34.0 plans only FlashInfer's)."""
     got = plan[0]
     assert (got["backend"], got["plans"]) == ("triton", True)
+    assert got["plans_without_extras"] is False
     # One stride for the batch: 64 (500 and 196 are tails from 448 and 192).
     assert got["every_n_tokens"] == 64
     exports = sorted((e["start"], e["offset"], e["block"]) for e in got["exports"])
@@ -355,13 +385,23 @@ def test_chunk_state_sources_point_into_h_or_the_final_state(plan) -> None:
     assert got["chunk_states"] == (list(range(1, 10)) + list(range(11, 15)) + [16, 17])
 
 
-def test_tails_are_one_fla_chunk_each(plan) -> None:
-    tails = plan[0]["tails"]
-    n = len(tails["sources"])
-    assert n == 2  # 500 from 448, 196 from 192
-    assert tails["cu_seqlens"] == [0, 52, 56]
+def test_tails_carry_fla_chunk_metadata(plans) -> None:
+    """FLA's chunk_indices/chunk_offsets for the tails, from the host: one chunk per
+    64 tokens of each (prepare_chunk_indices/prepare_chunk_offsets' layout)."""
+    assert plans[GRID][0]["tail_chunks_literal"] == [
+        [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0]],
+        [0, 1, 3, 4, 5],
+    ]
+    tails = plans[GRID][0]["tails"]
+    assert tails["cu_seqlens"] == [0, 52, 56]  # 500 from 448, 196 from 192
     assert tails["chunk_indices"] == [[0, 0], [1, 0]]
     assert tails["chunk_offsets"] == [0, 1, 2]
+    # Grid 128: 448 and 500 from 384, 196 from 128: 64, 116 and 68 tokens, the
+    # last two over two chunks each.
+    wide = plans[128][0]["tails"]
+    assert wide["cu_seqlens"] == [0, 64, 180, 248]
+    assert wide["chunk_indices"] == [[0, 0], [1, 0], [1, 1], [2, 0], [2, 1]]
+    assert wide["chunk_offsets"] == [0, 1, 3, 5]
 
 
 def test_every_export_is_the_split_paths_state_bit_for_bit(kernels) -> None:
@@ -369,7 +409,7 @@ def test_every_export_is_the_split_paths_state_bit_for_bit(kernels) -> None:
     up to that position, which the split path would have stored, and agrees with
     a float64 sequential recurrence."""
     checks = kernels["exports"]
-    assert len(checks) == 7
+    assert len(checks) >= 7
     assert any(c["tail"] for c in checks)
     for c in checks:
         assert c["split_bitwise"], c
