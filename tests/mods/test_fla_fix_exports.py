@@ -169,13 +169,16 @@ def _plan(model_dir: Path, grid: int) -> dict:
     import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as layer
 
     spec_config = config.speculative_config
+    platform = layer.current_platform
     opts_in = {}
-    for cuda_alike, fix, spec in itertools.product((True, False), repeat=3):
-        layer.current_platform.is_cuda_alike = lambda value=cuda_alike: value
+    for cuda_alike, fix, speculative in itertools.product((True, False), repeat=3):
+        platform.is_cuda_alike = lambda value=cuda_alike: value
         config.cache_config.enable_mamba_eagle_predecessor_checkpoint = fix
-        config.speculative_config = spec_config if spec else None
-        key = f"cuda_alike={cuda_alike} fix={fix} speculative={spec}"
+        config.speculative_config = spec_config if speculative else None
+        key = f"cuda_alike={cuda_alike} fix={fix} speculative={speculative}"
         opts_in[key] = layer.fla_exports_checkpoints(config)
+    del platform.is_cuda_alike  # the platform class's own again
+    config.speculative_config = spec_config
     result["opts_in"] = opts_in
     try:
         fla_chunk_state_sources(96, [300], 64)
