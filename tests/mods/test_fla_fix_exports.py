@@ -32,19 +32,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kit.vllm_tree import releases, trees
+from kit.vllm_tree import trees
+from tests.mods.release_side import on_tree_config, run_interpreted, run_on_tree
 
 pytestmark = pytest.mark.cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-RELEASE = "0.34.0"
 BLOCK = 256  # Mamba block (align mode)
 GRID = 64  # FLA's chunk, the layer's checkpoint grid with H = 64
 # With H = 128 the grid is 128: a tail may span two of FLA's 64-token chunks.
@@ -71,7 +69,6 @@ def _on_tree(model_dir: Path, out: Path) -> None:
 
 def _plan(model_dir: Path, grid: int) -> dict:
     import torch
-    import vllm.triton_utils
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.gdn_attn import (
         GDNAttentionMetadataBuilder,
@@ -80,14 +77,10 @@ def _plan(model_dir: Path, grid: int) -> dict:
     )
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    vllm.triton_utils.HAS_TRITON = True
     from kit.geometry.geometry_model import Geometry
-    from kit.rig.sched_harness import build_vllm_config
 
     # The grid is lcm(H, 64): H = grid here.
-    config = build_vllm_config(model_dir, Geometry(BLOCK, grid, 1, checkpoints="internal-grid"))
-    config.cache_config.hash_block_size = grid
-    config.cache_config.cache_hit_alignment_tokens = grid
+    config = on_tree_config(model_dir, Geometry(BLOCK, grid, 1, checkpoints="internal-grid"))
     spec = MambaSpec(
         block_size=BLOCK,
         shapes=((5, STATE_LEN), (2, 4, 4)),
@@ -283,19 +276,11 @@ json.dump({
 
 
 @pytest.fixture(scope="module")
-def release_tree() -> trees.Tree:
-    return releases.tree(RELEASE, "patched")
-
-
-@pytest.fixture(scope="module")
 def plans(
     release_tree: trees.Tree, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[int, tuple[dict, Path]]:
     out = tmp_path_factory.mktemp("fla-exports")
-    cmd = [sys.executable, __file__, "on-tree", str(tiny_model_dir), str(out)]
-    env = release_tree.env(VLLM_LOGGING_LEVEL="ERROR")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_on_tree(__file__, release_tree, str(tiny_model_dir), str(out))
     return {
         grid: (json.loads((out / f"plan-{grid}.json").read_text()), out / f"plan-{grid}.json")
         for grid in GRIDS
@@ -309,18 +294,15 @@ def plan(plans) -> tuple[dict, Path]:
 
 def _run_kernels(plan_json: Path, release_tree: trees.Tree, triton_env: Path) -> dict:
     result = plan_json.with_suffix(".kernels.json")
-    cmd = [
-        str(triton_env),
-        "-c",
+    run_interpreted(
+        triton_env,
         _TRITON_SIDE,
         str(ROOT / "kit"),
         str(release_tree.package.parent),
         str(plan_json),
         str(result),
-    ]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ""}
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
+        timeout=900,
+    )
     return json.loads(result.read_text())
 
 

@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kit.vllm_tree import releases, trees
+from kit.vllm_tree import trees
+from tests.mods.release_side import on_tree_config, run_interpreted, run_on_tree
 
 pytestmark = pytest.mark.cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-RELEASE = "0.34.0"
 BLOCK = 256  # Mamba block (align mode)
 GRID = 64  # FlashInfer's 64-token chunk, the layer's checkpoint grid here
 UNIT = GRID  # hash_block_size here: an extra export lies at least this far into its chunk
@@ -73,7 +71,6 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     # All imported before the flag below, which the layer's Triton warm-up
     # helpers do not survive.
     import torch
-    import vllm.triton_utils
     from vllm.model_executor.layers.mamba.checkpoint import MambaPrefillCheckpointBuilder
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import run_flashinfer_tails
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -98,15 +95,9 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     from vllm.v1.worker.ubatch_utils import UBatchSlice
     from vllm.v1.worker.utils import AttentionGroup
 
-    # 0.34.0 refuses an x86 CPU config without Triton; nothing here runs a kernel.
-    vllm.triton_utils.HAS_TRITON = True
     from kit.geometry.geometry_model import Geometry
-    from kit.rig.sched_harness import build_vllm_config
 
-    config = build_vllm_config(model_dir, Geometry(BLOCK, GRID, 1, checkpoints="internal-grid"))
-    # Resolved by the engine when it sizes the KV cache.
-    config.cache_config.hash_block_size = GRID
-    config.cache_config.cache_hit_alignment_tokens = GRID
+    config = on_tree_config(model_dir, Geometry(BLOCK, GRID, 1, checkpoints="internal-grid"))
     cpu = torch.device("cpu")
     results: dict = {"null_block": NULL_BLOCK_ID}
 
@@ -641,19 +632,11 @@ out.write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def release_tree() -> trees.Tree:
-    return releases.tree(RELEASE, "patched")
-
-
-@pytest.fixture(scope="module")
 def on_tree(
     release_tree: trees.Tree, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("fix-exports")
-    cmd = [sys.executable, __file__, "on-tree", str(tiny_model_dir), str(out)]
-    subprocess.run(
-        cmd, check=True, cwd=ROOT, env=release_tree.env(VLLM_LOGGING_LEVEL="ERROR"), timeout=600
-    )
+    run_on_tree(__file__, release_tree, str(tiny_model_dir), str(out))
     return json.loads((out / "results.json").read_text()), out
 
 
@@ -800,16 +783,9 @@ def test_vllms_store_kernel_writes_every_export_into_its_block(
     out = on_tree[1]
     checkpoint_py = release_tree.package / "model_executor/layers/mamba/checkpoint.py"
     result = out / "kernel.json"
-    cmd = [
-        str(triton_env),
-        "-c",
-        _TRITON_SIDE,
-        str(checkpoint_py),
-        str(out / "kernel_cases.pt"),
-        str(result),
-    ]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ""}
-    subprocess.run(cmd, check=True, env=env, timeout=600)
+    run_interpreted(
+        triton_env, _TRITON_SIDE, str(checkpoint_py), str(out / "kernel_cases.pt"), str(result)
+    )
     cases = json.loads(result.read_text())
     want = on_tree[0]["plan"]
     for name, case in cases.items():

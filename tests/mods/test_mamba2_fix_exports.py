@@ -28,19 +28,17 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kit.vllm_tree import releases, trees
+from kit.vllm_tree import trees
+from tests.mods.release_side import RELEASE, on_tree_config, run_interpreted, run_on_tree
 
 pytestmark = pytest.mark.cpu
 
 ROOT = Path(__file__).resolve().parents[2]
-RELEASE = "0.34.0"
 BLOCK = 64  # Mamba block (align mode)
 HASH = 16  # hash block / prefix unit: the prompt checkpoint's grid
 CHUNK = 32  # the SSD scan's chunk size
@@ -91,7 +89,6 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     from dataclasses import replace
 
     import torch
-    import vllm.triton_utils
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -113,15 +110,9 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     )
     from vllm.v1.worker.utils import AttentionGroup
 
-    # 0.34.0 refuses an x86 CPU config without Triton; nothing here runs a kernel.
-    vllm.triton_utils.HAS_TRITON = True
     from kit.geometry.geometry_model import Geometry
-    from kit.rig.sched_harness import build_vllm_config
 
-    config = build_vllm_config(model_dir, Geometry(BLOCK, HASH, 0))
-    # Resolved by the engine when it sizes the KV cache.
-    config.cache_config.hash_block_size = HASH
-    config.cache_config.cache_hit_alignment_tokens = HASH
+    config = on_tree_config(model_dir, Geometry(BLOCK, HASH, 0))
     config.cache_config.mamba_block_size = BLOCK
     # Nemotron-H's config names the SSD chunk ``chunk_size``.
     config.model_config.hf_text_config.chunk_size = CHUNK
@@ -533,19 +524,11 @@ out.write_text(json.dumps(results, indent=1))
 
 
 @pytest.fixture(scope="module")
-def release_tree() -> trees.Tree:
-    return releases.tree(RELEASE, "patched")
-
-
-@pytest.fixture(scope="module")
 def on_tree(
     release_tree: trees.Tree, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("mamba2-exports")
-    cmd = [sys.executable, __file__, "on-tree", str(tiny_model_dir), str(out)]
-    env = release_tree.env(VLLM_LOGGING_LEVEL="ERROR")
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    run_on_tree(__file__, release_tree, str(tiny_model_dir), str(out))
     return json.loads((out / "results.json").read_text()), out
 
 
@@ -554,9 +537,8 @@ def kernels(on_tree, release_tree: trees.Tree, triton_env: Path) -> dict:
     out = on_tree[1]
     result = out / "kernels.json"
     prefill_rows = [[s, q] for s, q, prefilling in ROWS if prefilling]
-    cmd = [
-        str(triton_env),
-        "-c",
+    run_interpreted(
+        triton_env,
         _TRITON_SIDE,
         str(ROOT / "kit/kernels"),
         str(release_tree.package.parent),
@@ -564,10 +546,7 @@ def kernels(on_tree, release_tree: trees.Tree, triton_env: Path) -> dict:
         str(result),
         *map(str, (CHUNK, CONV_KERNEL, HEADS, HEAD_DIM, D_STATE, GROUPS)),
         json.dumps(prefill_rows),
-    ]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ""}
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    )
     return json.loads(result.read_text())
 
 
