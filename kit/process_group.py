@@ -52,6 +52,15 @@ def group_members(pgid: int) -> list[int]:
     return sorted(pid for pid, state in _member_states(pgid).items() if state != "Z")
 
 
+def parent_pid(pid: int) -> int | None:
+    """A process's parent, read from /proc; None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
 def process_title(pid: int) -> str:
     """A process's first command-line word: its program, or the title it set itself
     (vLLM's ``VLLM::EngineCore``, with setproctitle); "" when it is gone."""

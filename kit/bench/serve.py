@@ -33,6 +33,7 @@ from kit.process_group import (
     ProcessGroupError,
     Watchdog,
     group_members,
+    parent_pid,
     pause_group,
     process_title,
     resume_group,
@@ -56,6 +57,11 @@ ENGINE_FAILED = (
 )
 # A log line that names an exception: the cause an error quotes.
 EXCEPTION_LINE = re.compile(r"\b(?:[A-Z]\w*)?(?:Error|Exception): .*")
+# A record vLLM logs below ERROR. Such a record may quote an exception it only warns
+# about (its ulimit warning names "OSError: [Errno 24] Too many open files" whenever
+# the hard limit is under 65535), so it is never an error's cause.
+NOT_AN_ERROR = re.compile(r"\b(?:DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d\b")
+ENGINE_DIED = "died during start-up"
 # A start that failed: the server never served, so its stop need not wait long for
 # a graceful exit (a hung engine ignores SIGTERM; SIGKILL comes after this).
 FAILED_START_GRACE = 5.0
@@ -63,6 +69,23 @@ FAILED_START_GRACE = 5.0
 
 class ServerError(RuntimeError):
     pass
+
+
+def engine_processes(pids: list[int]) -> dict[int, str]:
+    """Which of ``pids`` are vLLM engine processes, with their titles. A child that an
+    engine forked carries its parent's title until it execs (torch's C++ compiler,
+    lscpu) or exits, seconds later: it is not an engine, and its end is no engine's
+    death."""
+    engines = {}
+    for pid in pids:
+        title = process_title(pid)
+        if not title.partition("::")[2].startswith(ENGINE_TITLES):
+            continue
+        parent = parent_pid(pid)
+        if parent is not None and process_title(parent) == title:
+            continue
+        engines[pid] = title
+    return engines
 
 
 def free_port() -> int:
@@ -206,6 +229,10 @@ class Server:
             cause = self._cause()  # before the stop adds its own lines to the log
             self._kill(FAILED_START_GRACE)
             what = problem or f"not healthy after {self.startup_timeout:.0f} s"
+            if not cause and problem and ENGINE_DIED in problem:
+                # A process killed from outside (the out-of-memory killer) writes no
+                # traceback; say so rather than leave the reader searching the log.
+                cause = "; its log names no exception (was it killed, by the OOM killer?)"
             # One line: what happened, vLLM's own words for why, where to read more.
             raise ServerError(
                 f"{self.describe()}: {what}{cause}; its log: {self.log_path}"
@@ -222,16 +249,15 @@ class Server:
         code = self.process.poll()
         if code is not None:
             return f"exited with {code} during start-up"
-        engines: dict[int, str] = {}
-        for pid in group_members(self.process.pid):
-            title = process_title(pid)
-            if title.partition("::")[2].startswith(ENGINE_TITLES):
-                engines[pid] = title
-        gone = {pid: title for pid, title in self._engines.items() if pid not in engines}
-        self._engines.update(engines)
+        live = group_members(self.process.pid)
+        # An engine is dead when its process is, not when its title changed: a fork
+        # in flight (torch's compiler, lscpu) is no engine, and one that exec'd is
+        # simply no longer one.
+        gone = {pid: title for pid, title in self._engines.items() if pid not in live}
+        self._engines = engine_processes(live)
         if gone:
             pid, title = next(iter(gone.items()))
-            return f"its engine process {title} (pid {pid}) died during start-up"
+            return f"its engine process {title} (pid {pid}) {ENGINE_DIED}"
         failed = self._new_log_line(ENGINE_FAILED)
         if failed:
             return f"vLLM logged {failed!r} during start-up (its engine will not serve)"
@@ -255,7 +281,7 @@ class Server:
         """The last exception the log names (vLLM's root cause, usually), as
         ``; cause: ...``; "" when it names none."""
         for line in reversed(self.log_tail(200).splitlines()):
-            found = EXCEPTION_LINE.search(line)
+            found = None if NOT_AN_ERROR.search(line) else EXCEPTION_LINE.search(line)
             if found:
                 return f"; cause: {found.group(0).strip()[:300]}"
         return ""

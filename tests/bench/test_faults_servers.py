@@ -32,19 +32,42 @@ from tests.bench.test_bench_faults import alive, all_pids, start_bench, wait_for
 pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parents[2]
 
-# An API server that never answers /health and starts an "engine core" under vLLM's
-# process title (vLLM sets it with setproctitle: VLLM::EngineCore). ``dies``: the
-# engine exits after a moment and the API server lives on; ``logs``: the engine logs
-# vLLM's start-up failure and hangs (what a checkout path with a space does: the
-# worker's compile fails, the engine says so and never exits).
+# An API server that starts an "engine core" under vLLM's process title (vLLM sets it
+# with setproctitle: VLLM::EngineCore) and first logs the warning vLLM logs where the
+# hard open-files limit is under 65535 (it quotes an OSError it only warns about).
+# ``dies``: the engine exits after a moment and the API server lives on; ``logs``:
+# the engine logs vLLM's start-up failure and hangs (what a checkout path with a
+# space does: the worker's compile fails, the engine says so and never exits); in
+# both the API server never answers /health. ``forks``: a healthy start whose worker
+# forks short-lived children, as torch's compiler and lscpu do (a forked child
+# carries its parent's title until it execs or exits).
 STAND_IN = r"""
-import os, subprocess, sys, time
-mode, state = sys.argv[1], sys.argv[2]
-engine = subprocess.Popen(
-    ["VLLM::EngineCore", "-c", "import sys, time; time.sleep(float(sys.argv[1]))",
-     "2" if mode == "dies" else "3600"],
-    executable=sys.executable,
+import http.server, os, subprocess, sys, threading, time
+mode, state, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+print("(APIServer pid=1) WARNING 12-06 13:38:30 [system_utils.py:255] Found ulimit of "
+      "1024 and failed to automatically increase with error current limit exceeds "
+      "maximum limit. This can cause fd limit errors like `OSError: [Errno 24] Too "
+      "many open files`. Consider increasing with ulimit -n", flush=True)
+FORKS = (
+    "import os, sys, time\n"
+    "forks = os.path.join(sys.argv[1], 'forks')\n"
+    "while True:\n"
+    "    child = os.fork()\n"
+    "    if child == 0:\n"
+    "        time.sleep(0.4)\n"
+    "        os._exit(0)\n"
+    "    with open(forks, 'a') as f:\n"
+    "        f.write(f'{child} ')\n"
+    "    os.waitpid(child, 0)\n"
 )
+if mode == "forks":
+    engine = subprocess.Popen(["VLLM::Worker", "-c", FORKS, state], executable=sys.executable)
+else:
+    engine = subprocess.Popen(
+        ["VLLM::EngineCore", "-c", "import sys, time; time.sleep(float(sys.argv[1]))",
+         "2" if mode == "dies" else "3600"],
+        executable=sys.executable,
+    )
 with open(os.path.join(state, "pids"), "a") as f:
     f.write(f"{engine.pid}\n{os.getpid()}\n")
 print("INFO starting the engine", flush=True)
@@ -55,6 +78,20 @@ if mode == "logs":
     print(f"{prefix} Traceback (most recent call last):", flush=True)
     print(f"{prefix} RuntimeError: Worker failed with error 'CppCompileError: C++ "
           "compile error", flush=True)
+if mode == "forks":
+    time.sleep(4)  # the worker forks meanwhile, as it would while it compiles
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
 while True:
     time.sleep(1)
 """
@@ -68,7 +105,7 @@ script, mode, state, package = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path
 def fake(host, port, args):
     folder = state / str(port)
     folder.mkdir(parents=True, exist_ok=True)
-    return [sys.executable, script, mode, str(folder)]
+    return [sys.executable, script, mode, str(folder), str(port)]
 kit.bench.serve.server_command = fake
 kit.vllm_tree.trees.pinned = lambda name, target="cpu": kit.vllm_tree.trees.Tree(name, package)
 from kit.bench import run as bench
@@ -188,7 +225,7 @@ def stand_in_server(tmp_path: Path, mode: str, timeout: float = 40) -> tuple[Ser
         "patched",
         [],
         tmp_path / "logs" / "server-patched.log",
-        command=lambda host, port, args: [sys.executable, str(script), mode, str(state)],
+        command=lambda host, port, args: [sys.executable, str(script), mode, str(state), str(port)],
         startup_timeout=timeout,
     )
     return server, state
@@ -215,6 +252,26 @@ def test_a_failed_engine_during_start_up_is_noticed_within_seconds(
     assert "EngineCore" in message, message
     if mode == "logs":
         assert "CppCompileError" in message, message  # the cause, from the log
+    assert "Too many open files" not in message, message  # a warning is no cause
+    if mode == "dies":
+        assert "names no exception" in message, message
+    pids = [int(p) for p in (state / "pids").read_text().split()]
+    assert wait_gone(pids, 10) == []
+
+
+def test_a_child_an_engine_forks_is_no_engine_and_its_end_no_death(
+    tmp_path: Path, leftovers
+) -> None:
+    """The worker forks a child every half second while the server starts; each child
+    carries ``VLLM::Worker`` for its short life. The start succeeds (the kit once read
+    a child's end as the worker's death and failed a healthy start), and stopping the
+    server leaves nothing."""
+    server, state = stand_in_server(tmp_path, "forks")
+    with server:
+        forks = (state / "forks").read_text().split()
+        assert len(forks) >= 4, forks  # children came and went during the wait
+        assert server.alive()
+    leftovers(all_pids(tmp_path))
     pids = [int(p) for p in (state / "pids").read_text().split()]
     assert wait_gone(pids, 10) == []
 
