@@ -169,7 +169,7 @@ def _plan(model_dir: Path, grid: int) -> dict:
         config.cache_config.enable_mamba_eagle_predecessor_checkpoint = fix
         config.speculative_config = spec_config if speculative else None
         key = f"cuda_alike={cuda_alike} fix={fix} speculative={speculative}"
-        opts_in[key] = layer.fla_exports_checkpoints(config)
+        opts_in[key] = layer.fix_exports_in_pass(config)
     del platform.is_cuda_alike  # the platform class's own again
     config.speculative_config = spec_config
     result["opts_in"] = opts_in
