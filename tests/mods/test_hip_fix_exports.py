@@ -154,6 +154,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         str(dtype).removeprefix("torch."): _run(layer, md, exports, dtype)
         for dtype in (torch.float32, torch.bfloat16)
     }
+    result["layer"] = _run(layer, md, exports, torch.bfloat16, via_layer=True)
     total = md.prefill_query_start_loc.tolist()[-1]
     result["mutants"] = {
         name: _run(layer, md, exports, torch.float32, pieces=mutant)
@@ -212,8 +213,56 @@ def _inputs(total: int, rows: int, dtype):  # noqa: ANN001, ANN202
     return q.to(half), k.to(half), v.to(half), g, beta.to(half), h0
 
 
-def _run(layer, md, exports, dtype, pieces=None) -> dict:  # noqa: ANN001
-    """The plan's pieces through ``run_prefill_pieces``, against the split path."""
+def _through_layer(layer, md, inputs, h0):  # noqa: ANN001, ANN202
+    """The layer's own ``_forward_pieces_prefill`` and ``_export_checkpoints`` on
+    the plan, the HIP kernel replaced by ``_kernel`` and vLLM's exporter by one
+    that records what it is handed: the output, the final states, and per export
+    (its start, offset and row) the state it would store."""
+    import functools
+    from types import SimpleNamespace
+
+    import torch
+
+    def chunk_gated_delta_rule(*, output_final_state, use_qk_l2norm_in_kernel, **kw):  # noqa: ANN001, ANN202
+        assert output_final_state and not use_qk_l2norm_in_kernel
+        return _kernel(**kw)
+
+    handed: dict = {}
+    fake = SimpleNamespace(
+        chunk_gated_delta_rule=chunk_gated_delta_rule,
+        _checkpoint_exporter=SimpleNamespace(
+            export=lambda checkpoint, **kw: handed.update(checkpoint=checkpoint, **kw)
+        ),
+    )
+    cls = layer.QwenGatedDeltaNetAttention
+    fake._export_checkpoints = functools.partial(cls._export_checkpoints, fake)
+    total = inputs[0].shape[1]
+    out, finals = cls._forward_pieces_prefill(
+        fake,
+        *inputs,
+        md,
+        h0,
+        ssm_state=torch.zeros(1),
+        conv_state=torch.zeros(1),
+        conv_input=torch.zeros(md.num_decode_tokens + total, 1),
+    )
+    recurrent, rows = handed["recurrent_checkpoint"], handed["recurrent_rows"].tolist()
+    exported = [
+        {"start": start, "offset": offset, "block": block, "row": row}
+        for start, offset, block, row in zip(
+            handed["cu_seqlens"].tolist(),
+            handed["checkpoint"].checkpoint_offsets.tolist(),
+            handed["checkpoint"].state_indices.tolist(),
+            rows,
+            strict=True,
+        )
+    ]
+    return out, finals, recurrent, exported
+
+
+def _run(layer, md, exports, dtype, pieces=None, via_layer=False) -> dict:  # noqa: ANN001
+    """The plan's pieces through ``run_prefill_pieces`` (or the layer's methods
+    around it), against the split path."""
     import torch
 
     qsl = md.prefill_query_start_loc.tolist()
@@ -222,8 +271,11 @@ def _run(layer, md, exports, dtype, pieces=None) -> dict:  # noqa: ANN001
         if not has:
             h0[n] = 0
     plan = md.flashinfer_checkpoint_plan
-    out, states = layer.run_prefill_pieces(pieces or plan.pieces, q, k, v, g, beta, h0, _kernel)
-    finals = states[plan.pieces.finals]
+    if via_layer:
+        out, finals, states, exports = _through_layer(layer, md, (q, k, v, g, beta), h0)
+    else:
+        out, states = layer.run_prefill_pieces(pieces or plan.pieces, q, k, v, g, beta, h0, _kernel)
+        finals = states[plan.pieces.finals]
     # The split path: engine step by engine step, each row's chunk ending at its
     # next kept state, the state stored in the cache's dtype in between.
     cuts: dict[int, set[int]] = {n: {qsl[n + 1] - qsl[n]} for n in range(len(qsl) - 1)}
@@ -391,6 +443,16 @@ def test_every_export_and_output_is_the_split_paths_bit_for_bit(plan, dtype: str
         assert check["reference_rel"] < (1e-5 if dtype == "float32" else 0.02), check
     assert got["output_split_bitwise"] and got["finals_split_bitwise"]
     assert got["output_reference_rel"] < 0.02
+
+
+def test_the_layer_hands_the_exporter_the_split_paths_states(plan) -> None:  # noqa: ANN001
+    """The layer's ``_forward_pieces_prefill`` and ``_export_checkpoints`` on the
+    plan (the HIP kernel and vLLM's exporter stood in for): the exporter gets one
+    row per export, and the state each row points at is the split path's."""
+    got = plan["layer"]
+    assert len(got["exports"]) == 7
+    assert all(check["split_bitwise"] for check in got["exports"]), got["exports"]
+    assert got["output_split_bitwise"] and got["finals_split_bitwise"]
 
 
 @pytest.mark.parametrize("mutant", ["unchained", "shifted"])
