@@ -64,7 +64,14 @@ from kit.bench.md_blocks import kernels_line, result_blocks
 from kit.bench.openai_client import MetricsError, RequestError
 from kit.bench.plan import BenchPlan, BenchPlanError
 from kit.bench.serve import Server, ServerError, server_command, server_env, wait_healthy
-from kit.bench.serve_args import CHECKPOINT_ENV, cpu_serve_args, fix_flags, locked_serve_args
+from kit.bench.serve_args import (
+    CHECKPOINT_ENV,
+    TINY_DRAFTER_LOOKAHEAD,
+    cpu_serve_args,
+    fix_flags,
+    hash_lookahead,
+    locked_serve_args,
+)
 from kit.bench.ttft import (
     PROBE_TOKEN,
     REPLY_TOKENS,
@@ -223,6 +230,8 @@ class Served(NamedTuple):
     env: dict[str, str]
     num_spec: int
     model_record: dict
+    # vLLM's num_hash_lookahead_tokens for these servers (serve_args.hash_lookahead).
+    hash_lookahead: int = 0
 
     def args(self, fix: bool) -> list[str]:
         """A server's arguments; ``fix``: it is the one under test
@@ -241,8 +250,8 @@ def serve_plan(plan: BenchPlan) -> Served:
 
 def locked_served(plan: BenchPlan) -> Served:
     """``--model KEY``: the models.lock entry, verified offline first."""
-    base, num_spec = locked_serve_args(plan.model, plan.store, plan.unit, plan.budget)
-    return Served(base, fix_flags(plan.target), {}, num_spec, {"locked": plan.model})
+    base, num_spec, lookahead = locked_serve_args(plan.model, plan.store, plan.unit, plan.budget)
+    return Served(base, fix_flags(plan.target), {}, num_spec, {"locked": plan.model}, lookahead)
 
 
 def tiny_served(plan: BenchPlan) -> Served:
@@ -275,7 +284,8 @@ def tiny_served(plan: BenchPlan) -> Served:
         "weights_sha256": weights_sha256(model_dir),
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **plan.path.env}
-    return Served(base, fix_flags(plan.target), env, plan.num_spec, record)
+    lookahead = hash_lookahead(base, plan.num_spec, TINY_DRAFTER_LOOKAHEAD)
+    return Served(base, fix_flags(plan.target), env, plan.num_spec, record, lookahead)
 
 
 def check_fits(plan: BenchPlan, served: Served) -> None:
@@ -602,7 +612,9 @@ def measure_alone(
 ) -> tuple[dict, Geometry, list[dict]]:
     """One server's session: the geometry it reports, checked, and its repetitions."""
     reported = reported_geometry(server)
-    geo = geometry_from(reported, served.num_spec, plan.budget, plan.path.regime)
+    geo = geometry_from(
+        reported, served.num_spec, plan.budget, plan.path.regime, served.hash_lookahead
+    )
     check_block(plan, geo)
     rows = one_tree(server, tree, geo, reps, list(plan.shared), plan.tolerance, progress)
     return reported, geo, rows
@@ -627,7 +639,9 @@ def merge_sessions(
     """``--merge-sessions DIR...``: the rows of the session records; no server."""
     records = one_server.read(list(plan.merge_sessions))
     rows, reported = one_server.merge(records, plan.reps, list(plan.shared))
-    geo = geometry_from(reported, served.num_spec, plan.budget, plan.path.regime)
+    geo = geometry_from(
+        reported, served.num_spec, plan.budget, plan.path.regime, served.hash_lookahead
+    )
     urls = {r["tree"]: r["server"]["url"] for r in records}
     with ExitStack() as stack:
         servers = start_servers(stack, plan, served, out, {}, start=False, external=urls)
@@ -662,7 +676,9 @@ def run_interleaved(
     taking turns (``ttft.interleaved``)."""
     with ExitStack() as stack:
         servers = start_servers(stack, plan, served, out, pinned)
-        geo = served_geometry(servers, served.num_spec, plan.budget, plan.path.regime)
+        geo = served_geometry(
+            servers, served.num_spec, plan.budget, plan.path.regime, served.hash_lookahead
+        )
         check_block(plan, geo)
         pairing = "request" if pausable(servers) else "repetition"
         rows = interleaved(servers, geo, plan.reps, list(plan.shared), plan.tolerance, progress)

@@ -26,6 +26,10 @@ LOCKED_BATCHED_TOKENS = 8192
 # 2048-token blocks.
 CPU_SSM_CACHE_DTYPE = "float32"
 CPU_BLOCK = 2048
+# The tokens past the target's range the tiny model's drafter reads (vLLM's
+# num_prefill_lookahead_tokens): one, its MTP head being a single module. A release
+# that hashes blocks with lookahead tokens hashes with as many (hash_lookahead).
+TINY_DRAFTER_LOOKAHEAD = 1
 
 
 SERVED_NAME = "kit-model"
@@ -125,8 +129,9 @@ def cpu_serve_args(
 
 def locked_serve_args(
     key: str, store: Path, unit: int, budget: int = LOCKED_BATCHED_TOKENS
-) -> tuple[list[str], int]:
-    """A models.lock entry, verified offline first; returns its args and MTP draft count.
+) -> tuple[list[str], int, int]:
+    """A models.lock entry, verified offline first; returns its args, MTP draft count
+    and hash lookahead (``hash_lookahead``, from the entry's ``drafter_lookahead``).
 
     vLLM picks the hybrid block size itself; the bench reads it back from
     ``vllm:cache_config_info`` once the server is up.
@@ -139,17 +144,49 @@ def locked_serve_args(
     if "--speculative-config" in serve:
         spec = json.loads(serve[serve.index("--speculative-config") + 1])
         num_spec = int(spec.get("num_speculative_tokens", 0))
-    return [
-        "--model",
-        str(models.snapshot(store, entry)),
-        *serve,
-        *common_serve_args(unit, budget),
-    ], num_spec
+    args = ["--model", str(models.snapshot(store, entry)), *serve, *common_serve_args(unit, budget)]
+    drafter = entry.fields.get("drafter_lookahead")
+    lookahead = hash_lookahead(args, num_spec, drafter if isinstance(drafter, int) else -1)
+    if lookahead < 0:
+        raise models.VerifyError(
+            f"models.lock entry {key}: this vLLM hashes blocks with the drafter's "
+            "lookahead, and the entry declares no drafter_lookahead; add it (1 for "
+            "one MTP module or an EAGLE head)"
+        )
+    return args, num_spec, lookahead
+
+
+def installed_vllm() -> Path | None:
+    """The vLLM package this process finds, located, not imported (no GPU init); an
+    image may carry a later release than the pinned one."""
+    spec = importlib.util.find_spec("vllm")
+    return Path(spec.origin).parent if spec and spec.origin else None
 
 
 def fix_flags(target: str) -> list[str]:
     """The patched server's switches: those of the mods made for the vLLM this
-    process finds (an image may carry a later release than the pinned one)."""
-    spec = importlib.util.find_spec("vllm")  # located, not imported: no GPU init
-    release = mods.tree_version(Path(spec.origin).parent)[0] if spec and spec.origin else None
+    process finds."""
+    package = installed_vllm()
+    release = mods.tree_version(package)[0] if package else None
     return [m.manifest["enable_flag"] for m in mods.switched_mods(target, release)]
+
+
+def hashes_with_lookahead(package: Path | None) -> bool:
+    """Whether a vLLM package hashes prefix-cache blocks with lookahead tokens under
+    speculative decoding (``VllmConfig.num_hash_lookahead_tokens``; 0.32.0 does not),
+    read from its source."""
+    source = package / "config" / "vllm.py" if package else None
+    return bool(source and source.is_file() and "num_hash_lookahead_tokens" in source.read_text())
+
+
+def hash_lookahead(args: list[str], num_spec: int, drafter_lookahead: int) -> int:
+    """vLLM's ``num_hash_lookahead_tokens`` for servers started with ``args`` by the
+    vLLM this process finds: the drafter's lookahead where that release hashes with
+    it, under speculative decoding, unless the speculative config turns it off."""
+    if not num_spec or not hashes_with_lookahead(installed_vllm()):
+        return 0
+    if "--speculative-config" in args:
+        spec = json.loads(args[args.index("--speculative-config") + 1])
+        if spec.get("disable_lookahead_block_hashes") or spec.get("disable_eagle_block_drop"):
+            return 0
+    return drafter_lookahead

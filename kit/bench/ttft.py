@@ -25,7 +25,13 @@ from kit.bench.openai_client import (
 from kit.bench.serve import Server
 from kit.bench.serve_args import SERVED_NAME, path_by_regime
 from kit.geometry.geometry_cases import PROBE_TOKEN
-from kit.geometry.geometry_model import Case, Geometry, expected, prompt_checkpoint
+from kit.geometry.geometry_model import (
+    Case,
+    Geometry,
+    expected,
+    lookahead_ideal,
+    prompt_checkpoint,
+)
 from kit.vllm_tree.trees import TREE_NAMES as TREES
 
 TURN_LEN = 48
@@ -117,15 +123,15 @@ def pair_requests(
     a = ctx + [PROBE_TOKEN]
     b = ctx + [4000 + i for i in range(TURN_LEN)]
     case = bench_case(geo, shared)
-    want_b = expected(case, patched=server.fix).hit
-    resend = prompt_checkpoint(len(b), geo.unit, geo.eagle)
+    want_b = expected(case, patched=server.fix, lookahead=geo.hash_lookahead).hit
+    resend = prompt_checkpoint(len(b), geo.unit, geo.eagle, geo.hash_lookahead)
     # Unmeasured: the first request after the server sat idle (while the other
     # tree ran) waited about 1 s before its prefill in a third of the
     # repetitions, on either tree; cold A should time the prefill, not that.
     complete(server.url, SERVED_NAME, WAKE_PROMPT, 1)
     yield tag_path([measure(server, tree, a, "cold_A", 0, rep, shared)], geo)[0]
     cached = measure(server, tree, b, "cached_B", want_b, rep, shared)
-    cached["ideal_cached"] = case.ideal
+    cached["ideal_cached"] = lookahead_ideal(case, geo.hash_lookahead)
     yield tag_path([cached], geo)[0]
     yield tag_path([measure(server, tree, b, "repeat_B", resend, rep, shared)], geo)[0]
     reset_prefix_cache(server.url)
@@ -151,7 +157,7 @@ def conversation_requests(
         row = measure(
             server, tree, prompt, f"turn{turn + 1}", expect, rep, shared, max_tokens=REPLY_TOKENS
         )
-        expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle)
+        expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle, geo.hash_lookahead)
         prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
         yield tag_path([row], geo)[0]
 
@@ -169,19 +175,33 @@ def reported_geometry(server: Server) -> dict:
         return cache_config_info(server.url)
 
 
-def geometry_from(reported: dict, num_spec: int, budget: int, checkpoints: str) -> Geometry:
-    return Geometry(reported["block"], reported["unit"], num_spec, budget, checkpoints=checkpoints)
+def geometry_from(
+    reported: dict, num_spec: int, budget: int, checkpoints: str, hash_lookahead: int = 0
+) -> Geometry:
+    return Geometry(
+        reported["block"],
+        reported["unit"],
+        num_spec,
+        budget,
+        checkpoints=checkpoints,
+        hash_lookahead=hash_lookahead,
+    )
 
 
 def served_geometry(
-    servers: dict[str, Server], num_spec: int, budget: int, checkpoints: str = "split"
+    servers: dict[str, Server],
+    num_spec: int,
+    budget: int,
+    checkpoints: str = "split",
+    hash_lookahead: int = 0,
 ) -> Geometry:
     """The geometry the expectations use: the one both servers report, with the step
-    budget and checkpoint regime (``Geometry.checkpoints``) they were started with."""
+    budget, checkpoint regime (``Geometry.checkpoints``) and hash lookahead they were
+    started with."""
     reported = {tree: reported_geometry(server) for tree, server in servers.items()}
     if reported["unpatched"] != reported["patched"]:
         raise MeasureError(f"the two servers' cache geometry differs: {reported}")
-    return geometry_from(reported["patched"], num_spec, budget, checkpoints)
+    return geometry_from(reported["patched"], num_spec, budget, checkpoints, hash_lookahead)
 
 
 class MeasureError(RuntimeError):

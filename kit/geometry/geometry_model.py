@@ -54,8 +54,17 @@ class Geometry:
     # Mamba2 and FlashInfer GDN), so the fix's states are exports; a layer that
     # writes one (stock Mamba2, KDA) makes the fix decline the export instead.
     layer_extra_exports: bool = True
+    # The tokens a block's hash also covers past it (vLLM's num_hash_lookahead_tokens:
+    # 0 with the 0.32.0 hashing, or without speculative decoding). The scheduler rig
+    # reads it from vLLM's config; the bench from its servers (serve_args.hash_lookahead).
+    hash_lookahead: int = 0
 
     def __post_init__(self) -> None:
+        if self.hash_lookahead < 0 or (self.hash_lookahead and not self.num_spec):
+            raise ValueError(
+                f"hash lookahead {self.hash_lookahead}: vLLM hashes past a block only "
+                "under speculative decoding, by a count of tokens"
+            )
         if self.checkpoints not in REGIMES:
             raise ValueError(
                 f"checkpoint regime {self.checkpoints!r} is not one of {', '.join(REGIMES)}"
@@ -155,13 +164,16 @@ def lookahead_ideal(case: Case, lookahead: int) -> int:
     return max(case.shared - lookahead, 0) // case.unit * case.unit
 
 
-def prompt_checkpoint(prompt_len: int, unit: int, eagle: bool) -> int:
+def prompt_checkpoint(prompt_len: int, unit: int, eagle: bool, lookahead: int = 0) -> int:
     """Where a resend of a prompt, or a continuation of it, resumes.
 
     EAGLE: full attention holds ``floor(N/H)*H`` and drops one unit, to where the
-    Mamba checkpoint is. Without EAGLE the last token is recomputed:
-    ``floor((N-1)/H)*H``.
+    Mamba checkpoint is; with lookahead hashes (``lookahead`` L) it holds the last
+    boundary L tokens below the end, ``floor((N-L)/H)*H``, and drops nothing.
+    Without EAGLE the last token is recomputed: ``floor((N-1)/H)*H``.
     """
+    if eagle and lookahead:
+        return max((prompt_len - lookahead) // unit * unit, 0)
     if eagle:
         return max(prompt_len // unit * unit - unit, 0)
     return (prompt_len - 1) // unit * unit
@@ -221,10 +233,7 @@ def checkpoint_position(num_tokens: int, case: Case, lookahead: int = 0) -> int:
     """The prompt checkpoint of ``num_tokens`` tokens (vLLM's
     ``get_mamba_prefill_checkpoint_position`` at the hash unit): the last unit
     boundary a resend may resume at, less EAGLE's unit under the 0.32.0 hashing."""
-    h = case.unit
-    if case.eagle and not lookahead:
-        return max(num_tokens // h * h - h, 0)
-    return max((num_tokens - max(1, lookahead)) // h * h, 0)
+    return prompt_checkpoint(num_tokens, case.unit, case.eagle, lookahead)
 
 
 def _exportable(case: Case, start: int, end: int, position: int) -> bool:

@@ -73,7 +73,7 @@ def test_bad_arch_choices_are_refused(capsys) -> None:
 def test_the_default_plan_is_the_qwen3_next_one(path: str, tmp_path: Path) -> None:
     model = _model(tmp_path / "m", "qwen3_next")
     args = bench.parse_args(["--checkpoints", path, "--model-dir", str(model)])
-    base, patched_extra, env, num_spec, record = bench.serve_plan(args)
+    base, patched_extra, env, num_spec, record, _ = bench.serve_plan(args)
     # Byte for byte the arguments the kit served before --arch existed.
     assert base == serve_args.cpu_serve_args(
         model, serve_args.CPU_BLOCK, 16, 1, serve_args.PATHS[path].budget
@@ -87,7 +87,7 @@ def test_the_default_plan_is_the_qwen3_next_one(path: str, tmp_path: Path) -> No
 def test_the_variant_is_served_language_model_only(path: str, tmp_path: Path, capsys) -> None:
     model = _model(tmp_path / "m", Q35)
     argv = ["--arch", Q35, "--checkpoints", path, "--model-dir", str(model)]
-    base, patched_extra, env, num_spec, record = bench.serve_plan(bench.parse_args(argv))
+    base, patched_extra, env, num_spec, record, _ = bench.serve_plan(bench.parse_args(argv))
     default = serve_args.cpu_serve_args(
         model, serve_args.CPU_BLOCK, 16, 1, serve_args.PATHS[path].budget
     )

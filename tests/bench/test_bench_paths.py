@@ -220,11 +220,12 @@ def test_a_locked_model_runs_as_split(monkeypatch) -> None:
 def test_the_serve_plan_per_path(path, budget, switch, model_dir, monkeypatch, capsys) -> None:
     monkeypatch.delenv(ENV, raising=False)
     args = bench.parse_args(["--checkpoints", path, "--model-dir", str(model_dir)])
-    base, patched_extra, env, num_spec, _ = bench.serve_plan(args)
+    base, patched_extra, env, num_spec, _, lookahead = bench.serve_plan(args)
     assert base[base.index("--max-num-batched-tokens") + 1] == str(budget)
     assert budget == serve_args.PATHS[path].budget == args.budget
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", **switch}
     assert num_spec == 1 and "--max-num-batched-tokens" not in patched_extra
+    assert lookahead == 0  # the pinned release hashes without lookahead
     # Both trees get the same environment and budget; only the fix's switches differ.
     assert patched_extra == serve_args.fix_flags("cpu")
     # What --print-serve-args shows.
@@ -445,3 +446,28 @@ def test_servers_reached_by_url_take_turns_a_repetition_at_a_time(no_server) -> 
     geo = Geometry(2048, 16, 1, 8192, "internal-1")
     rows = ttft.interleaved(servers, geo, reps=1, shared=[1007], tolerance=0.03)
     assert [r["tree"] for r in rows] == [ttft.TREES[0]] * 8 + [ttft.TREES[1]] * 8
+
+
+def test_lookahead_hashes_move_the_expected_hits(no_server) -> None:
+    """With lookahead hashes (0.33.0 on) the bench expects the lookahead hits: at
+    S = 1007 cached B resumes at floor((1007 - 1)/16)*16 = 992 on both trees where
+    the 0.32.0 hashing falls back to 0 unpatched; a resend of B and the later turns
+    at the last boundary a token below their end."""
+    servers = {tree: _Stub() for tree in ttft.TREES}
+
+    def expected(lookahead: int) -> dict[str, int]:
+        geo = Geometry(2048, 16, 1, 8192, hash_lookahead=lookahead)
+        rows = ttft.interleaved(servers, geo, reps=1, shared=[1007], tolerance=0.03)
+        return {r["kind"]: r["expected_cached"] for r in rows if r["tree"] == "unpatched"}
+
+    legacy, lookahead = expected(0), expected(1)
+    assert (legacy["cached_B"], lookahead["cached_B"]) == (0, 992)
+    # B is 1007 + 48 tokens: floor(1055/16)*16 - 16 = 1024 legacy, floor(1054/16)*16.
+    assert (legacy["repeat_B"], lookahead["repeat_B"]) == (1024, 1040)
+
+
+def test_the_served_geometry_carries_the_hash_lookahead(monkeypatch) -> None:
+    monkeypatch.setattr(ttft, "cache_config_info", lambda url: {"block": 2048, "unit": 16})
+    servers = {tree: _Stub() for tree in ttft.TREES}
+    assert ttft.served_geometry(servers, 1, 8192, "split", 1).hash_lookahead == 1
+    assert ttft.served_geometry(servers, 1, 8192).hash_lookahead == 0

@@ -282,13 +282,14 @@ def test_a_served_model_gets_the_plans_budget(monkeypatch) -> None:
 
     def locked(key, store, unit, budget):
         seen.update(key=key, store=store, unit=unit, budget=budget)
-        return ["--model", "/m", *serve_args.common_serve_args(unit, budget)], 3
+        return ["--model", "/m", *serve_args.common_serve_args(unit, budget)], 3, 1
 
     monkeypatch.setattr(bench, "locked_serve_args", locked)
     plan = bench.parse_args(["--model", "k", "--store", "/store"])
     served = bench.serve_plan(plan)
     assert seen == {"key": "k", "store": Path("/store"), "unit": 16, "budget": plan.budget}
     assert served.num_spec == 3 and served.model_record == {"locked": "k"} and served.env == {}
+    assert served.hash_lookahead == 1
 
 
 # --- the container flow: its children's argv are the plan's ----------------------------

@@ -60,6 +60,22 @@ def test_prompt_checkpoint() -> None:
     assert prompt_checkpoint(15, H, eagle=True) == 0
 
 
+def test_prompt_checkpoint_with_lookahead_hashes() -> None:
+    """Each block's hash also covers L tokens past it: the last boundary L tokens
+    below the end is held, and nothing is dropped."""
+    # floor((2160 - 1)/16)*16 = 2144; floor((2159 - 1)/16)*16 = 2144.
+    assert prompt_checkpoint(2160, H, eagle=True, lookahead=1) == 2144
+    assert prompt_checkpoint(2159, H, eagle=True, lookahead=1) == 2144
+    # One token past a unit: floor(2160/16)*16 = 2160 (the legacy hashing drops it).
+    assert prompt_checkpoint(2161, H, eagle=True, lookahead=1) == 2160
+    assert prompt_checkpoint(2161, H, eagle=True) == 2144
+    # Three tokens of lookahead: floor((2162 - 3)/16)*16 = 2144.
+    assert prompt_checkpoint(2162, H, eagle=True, lookahead=3) == 2144
+    # A geometry hashes past its blocks only under speculative decoding.
+    with pytest.raises(ValueError, match="only under speculative decoding"):
+        Geometry(B, H, hash_lookahead=1)
+
+
 @pytest.mark.parametrize(
     ("shared", "num_spec", "legacy", "lookahead"),
     [
