@@ -146,12 +146,14 @@ def locked_serve_args(
         num_spec = int(spec.get("num_speculative_tokens", 0))
     args = ["--model", str(models.snapshot(store, entry)), *serve, *common_serve_args(unit, budget)]
     drafter = entry.fields.get("drafter_lookahead")
-    lookahead = hash_lookahead(args, num_spec, drafter if isinstance(drafter, int) else -1)
+    valid = isinstance(drafter, int) and not isinstance(drafter, bool) and drafter >= 0
+    lookahead = hash_lookahead(args, num_spec, drafter if valid else -1)
     if lookahead < 0:
         raise models.VerifyError(
             f"models.lock entry {key}: this vLLM hashes blocks with the drafter's "
-            "lookahead, and the entry declares no drafter_lookahead; add it (1 for "
-            "one MTP module or an EAGLE head)"
+            f"lookahead, and the entry declares no valid drafter_lookahead ({drafter!r}); "
+            "set it to the tokens its drafter reads ahead (1 for one MTP module or an "
+            "EAGLE head)"
         )
     return args, num_spec, lookahead
 
@@ -185,8 +187,15 @@ def hash_lookahead(args: list[str], num_spec: int, drafter_lookahead: int) -> in
     it, under speculative decoding, unless the speculative config turns it off."""
     if not num_spec or not hashes_with_lookahead(installed_vllm()):
         return 0
+    spec = {}
     if "--speculative-config" in args:
         spec = json.loads(args[args.index("--speculative-config") + 1])
-        if spec.get("disable_lookahead_block_hashes") or spec.get("disable_eagle_block_drop"):
-            return 0
+    if spec.get("disable_eagle_block_drop"):
+        # Neither hashing the geometry model knows: no lookahead, and no EAGLE drop.
+        raise models.VerifyError(
+            "--speculative-config disables EAGLE's block drop, which the bench's "
+            "expected hits cannot describe; remove disable_eagle_block_drop"
+        )
+    if spec.get("disable_lookahead_block_hashes"):
+        return 0
     return drafter_lookahead

@@ -6,7 +6,8 @@ scheduler token budget per step (vLLM's ``max_num_batched_tokens``). It does
 not import vLLM: the suite compares the real scheduler against these numbers.
 
 From 0.33.0, EAGLE/MTP prompts get lookahead block hashes by default: the key of
-each H-token unit also covers the next L tokens (L = 1 for EAGLE and MTP), and
+each H-token unit also covers the next L tokens (L = 1 for EAGLE and one MTP
+module, k for k chained MTP modules), and
 nothing is dropped. ``lookahead=L`` selects those rules; ``lookahead=0`` is the
 0.32.0 hashing, which later releases keep under ``disable_lookahead_block_hashes``.
 """
@@ -55,8 +56,9 @@ class Geometry:
     # writes one (stock Mamba2, KDA) makes the fix decline the export instead.
     layer_extra_exports: bool = True
     # The tokens a block's hash also covers past it (vLLM's num_hash_lookahead_tokens:
-    # 0 with the 0.32.0 hashing, or without speculative decoding). The scheduler rig
-    # reads it from vLLM's config; the bench from its servers (serve_args.hash_lookahead).
+    # 0 with the 0.32.0 hashing, or without speculative decoding), as the bench's
+    # servers hash (serve_args.hash_lookahead); the bench passes it to expected() and
+    # prompt_checkpoint(), and the scheduler rig passes vLLM's own value to those.
     hash_lookahead: int = 0
 
     def __post_init__(self) -> None:
@@ -135,7 +137,7 @@ class Case:
 
     def without_speculation(self) -> Case:
         """The same A and B on the same cache, drafting off: the baseline for EAGLE's cost."""
-        return replace(self, geometry=replace(self.geometry, num_spec=0))
+        return replace(self, geometry=replace(self.geometry, num_spec=0, hash_lookahead=0))
 
     @property
     def producer_len(self) -> int:
@@ -176,7 +178,7 @@ def prompt_checkpoint(prompt_len: int, unit: int, eagle: bool, lookahead: int = 
         return max((prompt_len - lookahead) // unit * unit, 0)
     if eagle:
         return max(prompt_len // unit * unit - unit, 0)
-    return (prompt_len - 1) // unit * unit
+    return max((prompt_len - 1) // unit * unit, 0)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,9 @@ def test_the_servers_hash_lookahead(monkeypatch, newest: Path) -> None:
     # Without speculation, or with the lookahead hashes turned off, vLLM hashes as 0.32.0.
     assert serve_args.hash_lookahead([], 0, 1) == 0
     assert serve_args.hash_lookahead(mtp(3, disable_lookahead_block_hashes=True), 3, 1) == 0
+    # Without EAGLE's block drop vLLM hashes neither way the geometry model knows.
+    with pytest.raises(models.VerifyError, match="disable_eagle_block_drop"):
+        serve_args.hash_lookahead(mtp(3, disable_eagle_block_drop=True), 3, 1)
     monkeypatch.setattr(serve_args, "installed_vllm", lambda: trees.pinned("unpatched").package)
     assert serve_args.hash_lookahead(mtp(3), 3, 1) == 0
 
@@ -59,7 +62,10 @@ def test_a_locked_model_without_a_drafter_lookahead_is_refused(
     monkeypatch.setattr(serve_args.models, "verify", lambda entries, store: None)
     monkeypatch.setattr(serve_args.models, "snapshot", lambda store, e: tmp_path)
     monkeypatch.setattr(serve_args, "installed_vllm", lambda: newest)
-    with pytest.raises(models.VerifyError, match="m: .*declares no drafter_lookahead; add it"):
+    with pytest.raises(models.VerifyError, match="m: .*declares no valid drafter_lookahead"):
+        serve_args.locked_serve_args("m", tmp_path, 16)
+    entry.fields["drafter_lookahead"] = True  # TOML's true is no token count
+    with pytest.raises(models.VerifyError, match="no valid drafter_lookahead"):
         serve_args.locked_serve_args("m", tmp_path, 16)
     entry.fields["drafter_lookahead"] = 1
     args, num_spec, lookahead = serve_args.locked_serve_args("m", tmp_path, 16)
