@@ -81,54 +81,65 @@ def test_every_enabled_speculative_entry_declares_its_drafter_lookahead() -> Non
 
 
 # On a release tree: vLLM's real scheduler (kit.rig) runs the bench's pair and a
-# four-turn conversation; each hit, and what the bench would expect of it, as JSON.
+# four-turn conversation, for one and three MTP tokens in every checkpoint regime;
+# each hit, and what the bench would expect of it, as JSON. 2048-token blocks, as the
+# CPU default's: no reply completes a block (the limit of ttft's turn rule).
 _ON_TREE = r"""
 import json, sys
 from pathlib import Path
 import vllm.triton_utils
 vllm.triton_utils.HAS_TRITON = True  # 0.34.0 on x86 wants triton-cpu; no kernel runs
 from kit.bench import ttft
-from kit.geometry.geometry_model import Geometry, expected, prompt_checkpoint
+from kit.geometry.geometry_model import REGIMES, Geometry, expected, prompt_checkpoint
 from kit.rig.later_turns import converse
 from kit.rig.sched_harness import SchedulerRig
 
 model, fix = Path(sys.argv[1]), sys.argv[2] == "1"
-rows = []
-for shared in (1007, 2159):
-    rig = SchedulerRig(model, Geometry(2048, 16, 1), fix=fix)
-    lookahead = rig.vllm_config.num_hash_lookahead_tokens
-    geo = Geometry(2048, 16, 1, hash_lookahead=lookahead)
-    context = list(range(100, 100 + shared))
-    rig.run(context + [ttft.PROBE_TOKEN])
-    b = context + [4000 + i for i in range(ttft.TURN_LEN)]
-    want = expected(ttft.bench_case(geo, shared), patched=fix, lookahead=lookahead).hit
-    rows.append({"what": f"cached B at {shared}", "hit": rig.run(b).hit, "want": want})
-    resend = prompt_checkpoint(len(b), 16, True, lookahead)
-    rows.append({"what": f"resent B at {shared}", "hit": rig.run(b).hit, "want": resend})
-    turns = SchedulerRig(model, Geometry(2048, 16, 1), fix=fix)
-    records = converse(turns, system_len=shared, turns=4, user_len=ttft.TURN_LEN)
-    for n, (prev, cur) in enumerate(zip(records, records[1:])):
-        want = prompt_checkpoint(len(prev.prompt), 16, True, lookahead)
-        rows.append({"what": f"turn {n + 2} at {shared}", "hit": cur.hit, "want": want})
-print(json.dumps({"lookahead": lookahead, "rows": rows}))
+rows, lookaheads = [], set()
+for num_spec in (1, 3):
+    for regime in REGIMES:
+        for shared in (1004, 1007, 2048, 2159):
+            where = f"k={num_spec} {regime} S={shared}"
+            plain = Geometry(2048, 16, num_spec, checkpoints=regime)
+            rig = SchedulerRig(model, plain, fix=fix)
+            lookahead = rig.vllm_config.num_hash_lookahead_tokens
+            lookaheads.add(lookahead)
+            geo = Geometry(2048, 16, num_spec, checkpoints=regime, hash_lookahead=lookahead)
+            context = list(range(100, 100 + shared))
+            rig.run(context + [ttft.PROBE_TOKEN])
+            b = context + [4000 + i for i in range(ttft.TURN_LEN)]
+            case = ttft.bench_case(geo, shared)
+            want = expected(case, patched=fix, lookahead=lookahead).hit
+            rows.append({"what": f"cached B {where}", "hit": rig.run(b).hit, "want": want})
+            resend = prompt_checkpoint(len(b), 16, True, lookahead)
+            rows.append({"what": f"resent B {where}", "hit": rig.run(b).hit, "want": resend})
+            records = converse(
+                SchedulerRig(model, plain, fix=fix), shared, turns=4, user_len=ttft.TURN_LEN
+            )
+            for n, (prev, cur) in enumerate(zip(records, records[1:])):
+                want = prompt_checkpoint(len(prev.prompt), 16, True, lookahead)
+                rows.append({"what": f"turn {n + 2} {where}", "hit": cur.hit, "want": want})
+print(json.dumps({"lookaheads": sorted(lookaheads), "rows": rows}))
 """
 
 
 @pytest.mark.parametrize("stage", ["unpatched", "patched"])
 def test_the_expected_hits_are_the_newest_schedulers(stage: str, tiny_model_dir: Path) -> None:
     """On the newest release's trees, vLLM's real scheduler and KV-cache manager give
-    the bench's pair and later turns the hits the bench expects of lookahead hashes."""
+    the bench's pair and later turns the hits the bench expects of lookahead hashes,
+    with one and three draft tokens (the tiny model's single MTP module reads one
+    token ahead either way), in every checkpoint regime."""
     tree = releases.tree(NEWEST, stage)
     run = subprocess.run(
         [sys.executable, "-c", _ON_TREE, str(tiny_model_dir), "1" if stage == "patched" else "0"],
         env=tree.env(VLLM_LOGGING_LEVEL="ERROR"),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got["lookahead"] == 1
-    assert len(got["rows"]) == 10
-    for row in got["rows"]:
-        assert row["hit"] == row["want"], row
+    assert got["lookaheads"] == [1]
+    assert len(got["rows"]) == 2 * 3 * 4 * 5
+    wrong = [row for row in got["rows"] if row["hit"] != row["want"]]
+    assert wrong == [], wrong
