@@ -48,3 +48,58 @@ def on_tree_config(model_dir: Path, geometry: Any) -> Any:
     config.cache_config.hash_block_size = geometry.unit
     config.cache_config.cache_hit_alignment_tokens = geometry.unit
     return config
+
+
+# Rows of a batch: (seq_len, query_len, prefilling).
+Row = tuple[int, int, bool]
+
+
+def block_table(rows: list[Row], cols: int) -> Any:
+    """On the tree: row r's blocks are 100 * r + 1, +2, ... (``cols`` of them), so
+    every block a test sees names its row."""
+    import torch
+
+    columns = torch.arange(cols, dtype=torch.int32)
+    return torch.stack([100 * r + columns + 1 for r in range(len(rows))])
+
+
+def batch_metadata(rows: list[Row], exports: dict | None, cols: int) -> Any:
+    """On the tree: vLLM's ``CommonAttentionMetadata`` for a batch of ``rows`` with
+    the fix's ``exports`` (row -> [(position, block)]), what a metadata builder gets."""
+    import itertools
+
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, *itertools.accumulate(q for _, q, _ in rows)], dtype=torch.int32)
+    seqs = torch.tensor([s for s, _, _ in rows], dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seqs,
+        num_reqs=len(rows),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(q for _, q, _ in rows),
+        max_seq_len=int(seqs.max()),
+        block_table_tensor=block_table(rows, cols),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=seqs.clone(),
+        is_prefilling=torch.tensor([p for _, _, p in rows]),
+        mamba_checkpoint_exports=exports,
+    )
+
+
+def export_rows(starts: Any, checkpoint: Any, rows: Any) -> list[dict]:
+    """On the tree: one dict per export row the exporter gets (its start in the
+    non-spec tokens, offset, block, and its state's row among the written ones),
+    from a plan's ``export_query_starts``, ``exports`` and ``rows``."""
+    return [
+        {"start": s, "offset": o, "block": b, "row": r}
+        for s, o, b, r in zip(
+            starts.tolist(),
+            checkpoint.checkpoint_offsets.tolist(),
+            checkpoint.state_indices.tolist(),
+            rows.tolist(),
+            strict=True,
+        )
+    ]

@@ -38,7 +38,13 @@ from pathlib import Path
 import pytest
 
 from kit.vllm_tree import trees
-from tests.mods.release_side import on_tree_config, run_interpreted, run_on_tree
+from tests.mods.release_side import (
+    batch_metadata,
+    export_rows,
+    on_tree_config,
+    run_interpreted,
+    run_on_tree,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -69,7 +75,6 @@ def _on_tree(model_dir: Path, out: Path) -> None:
 
 def _plan(model_dir: Path, grid: int) -> dict:
     import torch
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.gdn_attn import (
         GDNAttentionMetadataBuilder,
         fla_chunk_state_sources,
@@ -90,38 +95,12 @@ def _plan(model_dir: Path, grid: int) -> dict:
         prefill_checkpoint_alignment=grid,
         prefill_checkpoint_extra_exports=True,
     )
-    qsl = torch.tensor([0, *itertools.accumulate(q for _, q, _ in ROWS)], dtype=torch.int32)
-    seqs = torch.tensor([s for s, _, _ in ROWS], dtype=torch.int32)
-    cols = torch.arange(COLS, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl,
-        seq_lens=seqs,
-        num_reqs=len(ROWS),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=max(q for _, q, _ in ROWS),
-        max_seq_len=int(seqs.max()),
-        block_table_tensor=torch.stack([100 * r + cols + 1 for r in range(len(ROWS))]),
-        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seqs.clone(),
-        is_prefilling=torch.tensor([p for _, _, p in ROWS]),
-        mamba_checkpoint_exports=EXPORTS,
-    )
+    common = batch_metadata(ROWS, EXPORTS, COLS)
     builder = GDNAttentionMetadataBuilder(spec, ["layer"], config, torch.device("cpu"))
     md = builder.build(0, common)
     plan = md.flashinfer_checkpoint_plan
     tails = plan.tails
-    chk, starts = plan.exports, plan.export_query_starts
-    exports = [
-        {"start": s, "offset": o, "block": b, "row": r}
-        for s, o, b, r in zip(
-            starts.tolist(),
-            chk.checkpoint_offsets.tolist(),
-            chk.state_indices.tolist(),
-            plan.rows.tolist(),
-            strict=True,
-        )
-    ]
+    exports = export_rows(plan.export_query_starts, plan.exports, plan.rows)
     result = {
         "backend": builder.gdn_prefill_backend,
         "plans": builder.plan_flashinfer_checkpoints,

@@ -20,7 +20,6 @@ and the V2 runner's ``execute_model``/``sample_tokens`` (a GPU model).
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from kit.vllm_tree import trees
-from tests.mods.release_side import on_tree_config, run_interpreted, run_on_tree
+from tests.mods import release_side
+from tests.mods.release_side import batch_metadata, on_tree_config, run_interpreted, run_on_tree
 
 pytestmark = pytest.mark.cpu
 
@@ -113,26 +113,10 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         )
 
     def block_table(rows: list) -> torch.Tensor:
-        cols = torch.arange(COLS, dtype=torch.int32)
-        return torch.stack([100 * r + cols + 1 for r in range(len(rows))])
+        return release_side.block_table(rows, COLS)
 
     def common(rows: list, exports: dict | None) -> CommonAttentionMetadata:
-        qsl = torch.tensor([0, *itertools.accumulate(q for _, q, _ in rows)], dtype=torch.int32)
-        seqs = torch.tensor([s for s, _, _ in rows], dtype=torch.int32)
-        return CommonAttentionMetadata(
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl,
-            seq_lens=seqs,
-            num_reqs=len(rows),
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=max(q for _, q, _ in rows),
-            max_seq_len=int(seqs.max()),
-            block_table_tensor=block_table(rows),
-            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-            seq_lens_cpu_upper_bound=seqs.clone(),
-            is_prefilling=torch.tensor([p for _, _, p in rows]),
-            mamba_checkpoint_exports=exports,
-        )
+        return batch_metadata(rows, exports, COLS)
 
     def gdn_builder(extra: bool = True) -> GDNAttentionMetadataBuilder:
         builder = GDNAttentionMetadataBuilder(spec(extra), ["layer"], config, cpu)

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from kit.vllm_tree import trees
-from tests.mods.release_side import on_tree_config, run_on_tree
+from tests.mods.release_side import batch_metadata, export_rows, on_tree_config, run_on_tree
 
 pytestmark = pytest.mark.cpu
 
@@ -58,7 +58,6 @@ EXPORTS = {
 def _on_tree(model_dir: Path, out: Path) -> None:
     import torch
     import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as layer
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.gdn_attn import (
         GDNAttentionMetadataBuilder,
         plan_prefill_pieces,
@@ -77,23 +76,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         prefill_checkpoint_alignment=GRID,
         prefill_checkpoint_extra_exports=True,
     )
-    qsl = torch.tensor([0, *itertools.accumulate(q for _, q, _ in ROWS)], dtype=torch.int32)
-    seqs = torch.tensor([s for s, _, _ in ROWS], dtype=torch.int32)
-    cols = torch.arange(COLS, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl,
-        seq_lens=seqs,
-        num_reqs=len(ROWS),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=max(q for _, q, _ in ROWS),
-        max_seq_len=int(seqs.max()),
-        block_table_tensor=torch.stack([100 * r + cols + 1 for r in range(len(ROWS))]),
-        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-        seq_lens_cpu_upper_bound=seqs.clone(),
-        is_prefilling=torch.tensor([p for _, _, p in ROWS]),
-        mamba_checkpoint_exports=EXPORTS,
-    )
+    common = batch_metadata(ROWS, EXPORTS, COLS)
     # The CPU resolves Triton; the builder asks the layer module which backend.
     resolve = layer._resolve_gdn_prefill_backend
     layer._resolve_gdn_prefill_backend = lambda vllm_config: ("auto", "hip")
@@ -104,16 +87,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     md = builder.build(0, common)
     plan = md.flashinfer_checkpoint_plan
     pieces = plan.pieces
-    exports = [
-        {"start": s, "offset": o, "block": b, "row": r}
-        for s, o, b, r in zip(
-            plan.export_query_starts.tolist(),
-            plan.exports.checkpoint_offsets.tolist(),
-            plan.exports.state_indices.tolist(),
-            plan.rows.tolist(),
-            strict=True,
-        )
-    ]
+    exports = export_rows(plan.export_query_starts, plan.exports, plan.rows)
     result = {
         "backend": builder.gdn_prefill_backend,
         "plans": builder.plan_flashinfer_checkpoints,
@@ -138,18 +112,6 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         result["past_the_query"] = "accepted"
     except ValueError as exc:
         result["past_the_query"] = str(exc)
-    # Who opts in: on CUDA or ROCm only with the fix switched on and EAGLE/MTP.
-    spec_config = config.speculative_config
-    platform = layer.current_platform
-    opts_in = {}
-    for cuda_alike, fix, speculative in itertools.product((True, False), repeat=3):
-        platform.is_cuda_alike = lambda value=cuda_alike: value
-        config.cache_config.enable_mamba_eagle_predecessor_checkpoint = fix
-        config.speculative_config = spec_config if speculative else None
-        key = f"cuda_alike={cuda_alike} fix={fix} speculative={speculative}"
-        opts_in[key] = layer.fix_exports_in_pass(config)
-    del platform.is_cuda_alike  # the platform class's own again
-    result["opts_in"] = opts_in
     result["kernels"] = {
         str(dtype).removeprefix("torch."): _run(layer, md, exports, dtype)
         for dtype in (torch.float32, torch.bfloat16)
@@ -177,6 +139,12 @@ def _recurrence(q, k, v, g, beta, h):  # noqa: ANN001, ANN202 - tensors, on the 
     return torch.stack(out), h
 
 
+def _row_recurrence(inputs, a: int, b: int, h, dtype):  # noqa: ANN001, ANN202
+    """``_recurrence`` over tokens ``a:b`` of a [1, T, ...] batch's ``inputs`` (q, k,
+    v, g, beta), from ``h``, all in ``dtype``."""
+    return _recurrence(*(t[0, a:b].to(dtype) for t in inputs), h.to(dtype))
+
+
 def _kernel(*, q, k, v, g, beta, initial_state, cu_seqlens):  # noqa: ANN001, ANN202
     """A stand-in for ``chunk_gdn_hip_fwd`` with its contract: varlen rows of a
     [1, T, ...] batch, float32 final states [N, heads, v, k], output like v."""
@@ -186,14 +154,7 @@ def _kernel(*, q, k, v, g, beta, initial_state, cu_seqlens):  # noqa: ANN001, AN
     out = torch.empty_like(v)
     finals = []
     for n, (a, b) in enumerate(itertools.pairwise(bounds)):
-        o, h = _recurrence(
-            q[0, a:b].float(),
-            k[0, a:b].float(),
-            v[0, a:b].float(),
-            g[0, a:b].float(),
-            beta[0, a:b].float(),
-            initial_state[n].float(),
-        )
+        o, h = _row_recurrence((q, k, v, g, beta), a, b, initial_state[n], torch.float32)
         out[0, a:b] = o.to(v.dtype)
         finals.append(h)
     return out, torch.stack(finals)
@@ -246,18 +207,8 @@ def _through_layer(layer, md, inputs, h0):  # noqa: ANN001, ANN202
         conv_state=torch.zeros(1),
         conv_input=torch.zeros(md.num_decode_tokens + total, 1),
     )
-    recurrent, rows = handed["recurrent_checkpoint"], handed["recurrent_rows"].tolist()
-    exported = [
-        {"start": start, "offset": offset, "block": block, "row": row}
-        for start, offset, block, row in zip(
-            handed["cu_seqlens"].tolist(),
-            handed["checkpoint"].checkpoint_offsets.tolist(),
-            handed["checkpoint"].state_indices.tolist(),
-            rows,
-            strict=True,
-        )
-    ]
-    return out, finals, recurrent, exported
+    exported = export_rows(handed["cu_seqlens"], handed["checkpoint"], handed["recurrent_rows"])
+    return out, finals, handed["recurrent_checkpoint"], exported
 
 
 def _run(layer, md, exports, dtype, pieces=None, via_layer=False) -> dict:  # noqa: ANN001
@@ -307,14 +258,8 @@ def _run(layer, md, exports, dtype, pieces=None, via_layer=False) -> dict:  # no
             continue
         n = qsl.index(e["start"] - md.num_decode_tokens)
         a, p = qsl[n], e["offset"]
-        _, ref = _recurrence(
-            q[0, a : a + p].double(),
-            k[0, a : a + p].double(),
-            v[0, a : a + p].double(),
-            g[0, a : a + p].double(),
-            beta[0, a : a + p].double(),
-            h0[n].double(),
-        )
+        inputs = (q, k, v, g, beta)
+        _, ref = _row_recurrence(inputs, a, a + p, h0[n], torch.float64)
         got = states[e["row"]]
         checks.append(
             {
@@ -327,14 +272,7 @@ def _run(layer, md, exports, dtype, pieces=None, via_layer=False) -> dict:  # no
         )
     unsplit = torch.cat(
         [
-            _recurrence(
-                q[0, a:b].double(),
-                k[0, a:b].double(),
-                v[0, a:b].double(),
-                g[0, a:b].double(),
-                beta[0, a:b].double(),
-                h0[n].double(),
-            )[0]
+            _row_recurrence((q, k, v, g, beta), a, b, h0[n], torch.float64)[0]
             for n, (a, b) in enumerate(itertools.pairwise(qsl))
         ]
     )
@@ -422,12 +360,6 @@ def test_plan_prefill_pieces_literal_layout(plan) -> None:  # noqa: ANN001
     assert rows == [0, 2, 0, 0, 4, 1]
     assert finals == [5, 3]
     assert "exports past its 200 query tokens" in plan["past_the_query"]
-
-
-def test_only_the_fix_with_speculation_opts_in(plan) -> None:  # noqa: ANN001
-    opts_in = dict(plan["opts_in"])
-    assert opts_in.pop("cuda_alike=True fix=True speculative=True") is True
-    assert len(opts_in) == 7 and not any(opts_in.values()), opts_in
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -34,7 +34,14 @@ from pathlib import Path
 import pytest
 
 from kit.vllm_tree import trees
-from tests.mods.release_side import RELEASE, on_tree_config, run_interpreted, run_on_tree
+from tests.mods import release_side
+from tests.mods.release_side import (
+    RELEASE,
+    batch_metadata,
+    on_tree_config,
+    run_interpreted,
+    run_on_tree,
+)
 
 pytestmark = pytest.mark.cpu
 
@@ -150,26 +157,10 @@ def _on_tree(model_dir: Path, out: Path) -> None:
     undeclared = replace(spec, prefill_checkpoint_extra_exports=False)
 
     def block_table() -> torch.Tensor:
-        cols = torch.arange(COLS, dtype=torch.int32)
-        return torch.stack([100 * r + cols + 1 for r in range(len(ROWS))])
+        return release_side.block_table(ROWS, COLS)
 
     def common(exports: dict | None) -> CommonAttentionMetadata:
-        qsl = torch.tensor([0, *itertools.accumulate(q for _, q, _ in ROWS)], dtype=torch.int32)
-        seqs = torch.tensor([s for s, _, _ in ROWS], dtype=torch.int32)
-        return CommonAttentionMetadata(
-            query_start_loc=qsl,
-            query_start_loc_cpu=qsl,
-            seq_lens=seqs,
-            num_reqs=len(ROWS),
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=max(q for _, q, _ in ROWS),
-            max_seq_len=int(seqs.max()),
-            block_table_tensor=block_table(),
-            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-            seq_lens_cpu_upper_bound=seqs.clone(),
-            is_prefilling=torch.tensor([p for _, _, p in ROWS]),
-            mamba_checkpoint_exports=exports,
-        )
+        return batch_metadata(ROWS, exports, COLS)
 
     def as_list(t: torch.Tensor | None) -> list | None:
         return None if t is None else t.tolist()
