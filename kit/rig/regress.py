@@ -384,12 +384,12 @@ def failures(report: dict) -> list[str]:
 
 REGIME_NOTE = (
     "Checkpoint regimes: `split` = the scheduler ends a prefill chunk where a Mamba/GDN "
-    "state is kept (vLLM's CPU path; HIP GDN on gfx1151 and Triton GDN without the fix's "
-    "exports); `internal-1` = the layer exports the state from inside one forward pass at "
+    "state is kept (vLLM's CPU, HIP and Triton GDN paths without the fix's exports); "
+    "`internal-1` = the layer exports the state from inside one forward pass at "
     "any offset (Mamba2, e.g. Nemotron-H); `internal-grid` = the same on lcm(H, 64) (Qwen "
     "GDN on FlashInfer, on Hopper, Blackwell and GB10, from the release whose FlashInfer GDN "
-    "exports states; Triton and HIP GDN with fix-eagle-fine-prefix-exports, the fix on and "
-    "EAGLE/MTP)."
+    "exports states; Triton, HIP and CPU GDN with fix-eagle-fine-prefix-exports, the fix on "
+    "and EAGLE/MTP)."
 )
 
 READING = (

@@ -74,7 +74,10 @@ def _on_tree(model_dir: Path, out: Path) -> None:
 
 
 def _plan(model_dir: Path, grid: int) -> dict:
+    from types import SimpleNamespace
+
     import torch
+    import vllm.v1.attention.backends.gdn_attn as gdn_attn
     from vllm.v1.attention.backends.gdn_attn import (
         GDNAttentionMetadataBuilder,
         fla_chunk_state_sources,
@@ -96,6 +99,9 @@ def _plan(model_dir: Path, grid: int) -> dict:
         prefill_checkpoint_extra_exports=True,
     )
     common = batch_metadata(ROWS, EXPORTS, COLS)
+    # The CPU stands in for CUDA: on the CPU platform itself the builder plans
+    # pieces instead (test_cpu_fix_exports.py).
+    gdn_attn.current_platform = SimpleNamespace(is_cpu=lambda: False)
     builder = GDNAttentionMetadataBuilder(spec, ["layer"], config, torch.device("cpu"))
     md = builder.build(0, common)
     plan = md.flashinfer_checkpoint_plan
@@ -137,11 +143,14 @@ def _plan(model_dir: Path, grid: int) -> dict:
     result["plans_without_extras"] = GDNAttentionMetadataBuilder(
         kda_like, ["layer"], config, torch.device("cpu")
     ).plan_flashinfer_checkpoints
-    # Who opts in: on CUDA or ROCm only with the fix switched on and EAGLE/MTP.
+    # Who opts in: on CUDA or ROCm only with the fix switched on and EAGLE/MTP
+    # (on a platform that is neither: the CPU's own case is in
+    # test_cpu_fix_exports.py).
     import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as layer
 
     spec_config = config.speculative_config
     platform = layer.current_platform
+    platform.is_cpu = lambda: False
     opts_in = {}
     for cuda_alike, fix, speculative in itertools.product((True, False), repeat=3):
         platform.is_cuda_alike = lambda value=cuda_alike: value
@@ -149,7 +158,7 @@ def _plan(model_dir: Path, grid: int) -> dict:
         config.speculative_config = spec_config if speculative else None
         key = f"cuda_alike={cuda_alike} fix={fix} speculative={speculative}"
         opts_in[key] = layer.fix_exports_in_pass(config)
-    del platform.is_cuda_alike  # the platform class's own again
+    del platform.is_cuda_alike, platform.is_cpu  # the platform class's own again
     config.speculative_config = spec_config
     result["opts_in"] = opts_in
     try:
