@@ -30,6 +30,7 @@ from kit.geometry.geometry_model import (
     Geometry,
     expected,
     lookahead_ideal,
+    next_turn_resume,
     prompt_checkpoint,
 )
 from kit.vllm_tree.trees import TREE_NAMES as TREES
@@ -157,11 +158,7 @@ def conversation_requests(
         row = measure(
             server, tree, prompt, f"turn{turn + 1}", expect, rep, shared, max_tokens=REPLY_TOKENS
         )
-        # The next turn resumes at this prompt's checkpoint while no reply completes a
-        # block (2048-token blocks: the CPU default's turns never do). Where one does,
-        # vLLM resumes at that block boundary (seen on 0.34.0 with 1056-token blocks),
-        # which this rule does not model: a served model's small block would fail here.
-        expect = prompt_checkpoint(len(prompt), geo.unit, geo.eagle, geo.hash_lookahead)
+        expect = next_turn_resume(len(prompt), len(row["token_ids"]), geo)
         prompt = prompt + row["token_ids"] + [3000 + 50 * turn + i for i in range(TURN_LEN)]
         yield tag_path([row], geo)[0]
 

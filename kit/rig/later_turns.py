@@ -50,13 +50,15 @@ def user_message(turn: int, length: int) -> list[int]:
     return [20_000 + 100 * turn + i for i in range(length)]
 
 
-def converse(rig, system_len: int, turns: int, user_len: int) -> list:
+def converse(
+    rig, system_len: int, turns: int, user_len: int, reply_tokens: int = REPLY_TOKENS
+) -> list:
     """``turns`` turns on ``rig`` (a ``SchedulerRig``): each prompt is the last one,
     its reply and a new user message; the turns' ``ResumeRecord``s."""
     prompt = list(range(100, 100 + system_len)) + user_message(0, user_len)
     records = []
     for turn in range(turns):
-        record = rig.run(prompt, max_tokens=REPLY_TOKENS)
+        record = rig.run(prompt, max_tokens=reply_tokens)
         records.append(record)
         prompt = prompt + list(record.output) + user_message(turn + 1, user_len)
     return records

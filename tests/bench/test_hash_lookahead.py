@@ -83,28 +83,32 @@ def test_every_enabled_speculative_entry_declares_its_drafter_lookahead() -> Non
 # On a release tree: vLLM's real scheduler (kit.rig) runs the bench's pair and a
 # four-turn conversation, for one and three MTP tokens in every checkpoint regime;
 # each hit, and what the bench would expect of it, as JSON. 2048-token blocks, as the
-# CPU default's: no reply completes a block (the limit of ttft's turn rule).
+# CPU default's, where no reply completes a block; and 1056-token blocks with contexts
+# whose first reply does (S = 1001-1008: turn 1's prompt 1049-1056), or does not.
 _ON_TREE = r"""
 import json, sys
 from pathlib import Path
 import vllm.triton_utils
 vllm.triton_utils.HAS_TRITON = True  # 0.34.0 on x86 wants triton-cpu; no kernel runs
 from kit.bench import ttft
-from kit.geometry.geometry_model import REGIMES, Geometry, expected, prompt_checkpoint
+from kit.geometry.geometry_model import (
+    REGIMES, Geometry, expected, next_turn_resume, prompt_checkpoint,
+)
 from kit.rig.later_turns import converse
 from kit.rig.sched_harness import SchedulerRig
 
 model, fix = Path(sys.argv[1]), sys.argv[2] == "1"
 rows, lookaheads = [], set()
+CONTEXTS = {2048: (1004, 1007, 2048, 2159), 1056: (1000, 1001, 1004, 1008)}
 for num_spec in (1, 3):
     for regime in REGIMES:
-        for shared in (1004, 1007, 2048, 2159):
-            where = f"k={num_spec} {regime} S={shared}"
-            plain = Geometry(2048, 16, num_spec, checkpoints=regime)
+        for block, shared in ((b, s) for b, ss in CONTEXTS.items() for s in ss):
+            where = f"k={num_spec} {regime} block={block} S={shared}"
+            plain = Geometry(block, 16, num_spec, checkpoints=regime)
             rig = SchedulerRig(model, plain, fix=fix)
             lookahead = rig.vllm_config.num_hash_lookahead_tokens
             lookaheads.add(lookahead)
-            geo = Geometry(2048, 16, num_spec, checkpoints=regime, hash_lookahead=lookahead)
+            geo = Geometry(block, 16, num_spec, checkpoints=regime, hash_lookahead=lookahead)
             context = list(range(100, 100 + shared))
             rig.run(context + [ttft.PROBE_TOKEN])
             b = context + [4000 + i for i in range(ttft.TURN_LEN)]
@@ -114,11 +118,19 @@ for num_spec in (1, 3):
             resend = prompt_checkpoint(len(b), 16, True, lookahead)
             rows.append({"what": f"resent B {where}", "hit": rig.run(b).hit, "want": resend})
             records = converse(
-                SchedulerRig(model, plain, fix=fix), shared, turns=4, user_len=ttft.TURN_LEN
+                SchedulerRig(model, plain, fix=fix),
+                shared,
+                turns=4,
+                user_len=ttft.TURN_LEN,
+                reply_tokens=ttft.REPLY_TOKENS,
             )
             for n, (prev, cur) in enumerate(zip(records, records[1:])):
-                want = prompt_checkpoint(len(prev.prompt), 16, True, lookahead)
-                rows.append({"what": f"turn {n + 2} {where}", "hit": cur.hit, "want": want})
+                want = next_turn_resume(len(prev.prompt), len(prev.output), geo)
+                crosses = want > prompt_checkpoint(len(prev.prompt), 16, True, lookahead)
+                rows.append(
+                    {"what": f"turn {n + 2} {where}", "hit": cur.hit, "want": want,
+                     "crosses": crosses}
+                )
 print(json.dumps({"lookaheads": sorted(lookaheads), "rows": rows}))
 """
 
@@ -140,6 +152,8 @@ def test_the_expected_hits_are_the_newest_schedulers(stage: str, tiny_model_dir:
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["lookaheads"] == [1]
-    assert len(got["rows"]) == 2 * 3 * 4 * 5
+    assert len(got["rows"]) == 2 * 3 * 8 * 5
+    # Turn 2 of S = 1001, 1004 and 1008 in 1056-token blocks: its reply completes 1056.
+    assert sum(row.get("crosses", False) for row in got["rows"]) == 2 * 3 * 3
     wrong = [row for row in got["rows"] if row["hit"] != row["want"]]
     assert wrong == [], wrong

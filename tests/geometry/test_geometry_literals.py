@@ -35,6 +35,7 @@ from kit.geometry.geometry_model import (
     Geometry,
     expected,
     lookahead_ideal,
+    next_turn_resume,
     producer_prefill,
     prompt_checkpoint,
 )
@@ -74,6 +75,24 @@ def test_prompt_checkpoint_with_lookahead_hashes() -> None:
     # A geometry hashes past its blocks only under speculative decoding.
     with pytest.raises(ValueError, match="only under speculative decoding"):
         Geometry(B, H, hash_lookahead=1)
+
+
+def test_next_turn_resume() -> None:
+    """A turn whose 8-token reply crosses the 1056 boundary (prompt 1055, 1062 tokens
+    known, 1061 computed): the next turn resumes at 1056 with lookahead hashes and
+    without speculation, at the checkpoint under 0.32.0's EAGLE hashing."""
+    block = 1056
+    mtp_lookahead = Geometry(block, H, num_spec=1, hash_lookahead=1)
+    # floor((1055 + 8 - 1)/1056)*1056 = 1056 above floor((1055 - 1)/16)*16 = 1040.
+    assert next_turn_resume(1055, 8, mtp_lookahead) == 1056
+    # The boundary hashes only with its lookahead token known: 1048 + 8 - 1 < 1056.
+    assert next_turn_resume(1048, 8, mtp_lookahead) == 1040
+    # 0.32.0's hashing: the match at 1056 drops a unit; floor(1055/16)*16 - 16.
+    assert next_turn_resume(1055, 8, Geometry(block, H, num_spec=1)) == 1024
+    # No speculation: 1056 <= 1055 + 8 - 1.
+    assert next_turn_resume(1055, 8, Geometry(block, H)) == 1056
+    # A reply that crosses no boundary: the prompt's checkpoint, as for a resend.
+    assert next_turn_resume(1111, 8, mtp_lookahead) == prompt_checkpoint(1111, H, True, 1)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kit.geometry.geometry_model import FIX_MIN_GAIN, UNIT, Geometry, prompt_checkpoint
+from kit.geometry.geometry_model import (
+    FIX_MIN_GAIN,
+    UNIT,
+    Geometry,
+    next_turn_resume,
+    prompt_checkpoint,
+)
 from kit.rig import later_turns
 from kit.rig.later_turns import REPLY_TOKENS, converse, user_message
 from kit.rig.sched_harness import FULL_GROUP, MAMBA_GROUP, SchedulerRig
@@ -19,10 +25,6 @@ def rig_for(
     return SchedulerRig(model_dir, geometry, fix=fix)
 
 
-def continuation_hit(prev_prompt_len: int, eagle: bool) -> int:
-    return prompt_checkpoint(prev_prompt_len, UNIT, eagle)
-
-
 @pytest.mark.parametrize("num_spec", [0, 1, 3])
 @pytest.mark.parametrize("user_len", [9, 15, 16])
 def test_four_turns(tiny_model_dir, tree_is_patched, num_spec: int, user_len: int) -> None:
@@ -34,8 +36,25 @@ def test_four_turns(tiny_model_dir, tree_is_patched, num_spec: int, user_len: in
     for prev, cur in zip(records, records[1:], strict=False):
         assert len(prev.output) == REPLY_TOKENS
         assert cur.prompt[: len(prev.prompt)] == prev.prompt
-        assert cur.hit == continuation_hit(len(prev.prompt), eagle=num_spec > 0)
+        assert cur.hit == next_turn_resume(len(prev.prompt), len(prev.output), rig.geo)
         assert cur.resumed_from_own_prefix()
+
+
+@pytest.mark.parametrize("num_spec", [0, 1, 3])
+@pytest.mark.parametrize("checkpoints", ["split", "internal-1"])
+def test_a_reply_that_completes_a_block(
+    tiny_model_dir, tree_is_patched, num_spec: int, checkpoints: str
+) -> None:
+    """Turn 1's prompt ends 4 tokens below a 1056 boundary and its reply crosses it:
+    without speculation turn 2 resumes at the boundary the decode completed, under
+    EAGLE (this tree's hashing) at turn 1's checkpoint; as ``next_turn_resume``
+    says, which the bench expects."""
+    rig = rig_for(tiny_model_dir, 1056, num_spec, tree_is_patched, checkpoints)
+    first, second = converse(rig, system_len=1000, turns=2, user_len=52)
+    assert len(first.prompt) + len(first.output) - 1 >= 1056 > len(first.prompt)
+    want = next_turn_resume(len(first.prompt), len(first.output), rig.geo)
+    assert second.hit == want == (1056 if num_spec == 0 else 1024)
+    assert second.resumed_from_own_prefix()
 
 
 @pytest.mark.parametrize("num_spec", [0, 1])
@@ -69,7 +88,7 @@ def test_twenty_turns_bounded_metadata(tiny_model_dir, tree_is_patched, num_spec
             assert len(rig.partial_entries_of(record.request_id, group)) <= bound
         assert record.resumed_from_own_prefix()
     for prev, cur in zip(records, records[1:], strict=False):
-        assert cur.hit == continuation_hit(len(prev.prompt), eagle=True)
+        assert cur.hit == next_turn_resume(len(prev.prompt), len(prev.output), rig.geo)
 
 
 @pytest.mark.parametrize("checkpoints", ["split", "internal-1"])
@@ -99,7 +118,7 @@ def test_sibling_of_a_later_turn(
     predecessor = later_turns.predecessor(len(turn.prompt), lookahead=0)
     shared = later_turns.sibling_share(len(turn.prompt), 0, into_last_unit)
     sibling = rig.run(list(turn.prompt[:shared]) + user_message(9, 48))
-    assert turn.hit == continuation_hit(len(first.prompt), eagle=True)
+    assert turn.hit == next_turn_resume(len(first.prompt), len(first.output), rig.geo)
     assert sibling.resumed_from_own_prefix()
     assert predecessor > turn.hit  # the fix has something to save here
     kept = predecessor - turn.hit >= FIX_MIN_GAIN
