@@ -207,6 +207,17 @@ def cache_config_info(base_url: str) -> dict[str, int]:
         return parse_cache_config_info(resp.read().decode())
 
 
+def served_release(base_url: str) -> str:
+    """The vLLM release a server runs (its ``/version``; a local label such as
+    ``+cu130`` names the same release)."""
+    try:
+        with urlopen(base_url + "/version", timeout=30) as resp:
+            version = json.loads(resp.read().decode())["version"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise RequestError(f"{base_url}/version: no vLLM version ({exc})") from exc
+    return str(version).split("+", 1)[0]
+
+
 def reset_prefix_cache(base_url: str) -> None:
     request = urllib.request.Request(base_url + "/reset_prefix_cache", b"", method="POST")
     with urlopen(request, timeout=60) as resp:

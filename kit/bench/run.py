@@ -61,12 +61,13 @@ from kit import bundle
 from kit.bench import one_server, step_log
 from kit.bench import plan as bench_plan
 from kit.bench.md_blocks import kernels_line, result_blocks
-from kit.bench.openai_client import MetricsError, RequestError
+from kit.bench.openai_client import MetricsError, RequestError, served_release
 from kit.bench.plan import BenchPlan, BenchPlanError
 from kit.bench.serve import Server, ServerError, server_command, server_env, wait_healthy
 from kit.bench.serve_args import (
     CHECKPOINT_ENV,
     TINY_DRAFTER_LOOKAHEAD,
+    client_release,
     cpu_serve_args,
     fix_flags,
     hash_lookahead,
@@ -300,6 +301,20 @@ def check_fits(plan: BenchPlan, served: Served) -> None:
         )
 
 
+def check_release(tree: str, url: str) -> None:
+    """A server given by URL must run the release this process finds: the expected
+    hits follow its hashing (``serve_args.hash_lookahead`` reads it here)."""
+    served = served_release(url)
+    here = client_release()
+    if served != here:
+        found = f"vLLM {here}" if here else "no vLLM"
+        raise ServerError(
+            f"--server-url {tree}: the server runs vLLM {served} and this client finds "
+            f"{found}; the expected hits follow the servers' release, so run the "
+            f"client where vLLM {served} is installed"
+        )
+
+
 def start_servers(
     stack: ExitStack,
     plan: BenchPlan,
@@ -356,6 +371,7 @@ def start_servers(
     if external:
         for tree, server in servers.items():
             wait_healthy(server.url, plan.startup_timeout, name=tree)
+            check_release(tree, server.url)
         return servers
     print(f"starting {' and '.join(which)} (logs in {out / bundle.LOGS})", flush=True)
     for server in servers.values():

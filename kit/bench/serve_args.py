@@ -165,12 +165,17 @@ def installed_vllm() -> Path | None:
     return Path(spec.origin).parent if spec and spec.origin else None
 
 
+def client_release() -> str | None:
+    """The release of the vLLM this process finds (None: none): the one whose
+    hashing the bench's expected hits follow (``hash_lookahead``)."""
+    package = installed_vllm()
+    return mods.tree_version(package)[0] if package else None
+
+
 def fix_flags(target: str) -> list[str]:
     """The patched server's switches: those of the mods made for the vLLM this
     process finds."""
-    package = installed_vllm()
-    release = mods.tree_version(package)[0] if package else None
-    return [m.manifest["enable_flag"] for m in mods.switched_mods(target, release)]
+    return [m.manifest["enable_flag"] for m in mods.switched_mods(target, client_release())]
 
 
 def hashes_with_lookahead(package: Path | None) -> bool:

@@ -1,11 +1,12 @@
 """A stand-in for `vllm serve` with vLLM's process shape: an API server that forks an
 "engine core" and a "worker" into its process group, and answers /health, /metrics
-(prefix-cache counters and ``vllm:cache_config_info``) and /v1/completions.
+(prefix-cache counters and ``vllm:cache_config_info``), /version and /v1/completions.
 
 ``python tests/bench/fake_server.py --port P --state DIR [--hang]``: every process writes
 its pid to ``DIR/pids``; with ``--hang`` a completion writes ``DIR/requesting`` and
 never answers (a bench caught mid-request); with ``--never-healthy`` /health
-answers 503 (a bench caught during start-up). The children outlive their parent
+answers 503 (a bench caught during start-up). /version answers the vLLM release
+this process finds, or ``--vllm-version``'s. The children outlive their parent
 unless someone signals the group, as vLLM's engine processes do. A server that
 starts while a process of another server (a sibling folder of DIR) is alive writes
 ``DIR/overlap``: a one-server-at-a-time run must leave none.
@@ -21,6 +22,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from kit.bench import serve_args
 
 METRICS = (
     "# TYPE vllm:prefix_cache_hits_total counter\n"
@@ -64,6 +67,9 @@ def main() -> None:
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--never-healthy", action="store_true", help="/health answers 503")
+    parser.add_argument(
+        "--vllm-version", help="what /version answers (default: the vLLM this process finds)"
+    )
     args, _ = parser.parse_known_args()
     for _ in ("engine core", "worker"):
         child = subprocess.Popen([sys.executable, "-c", CHILD])
@@ -73,12 +79,16 @@ def main() -> None:
     note_pid(args.state, os.getpid())
     note_overlap(args.state)
 
+    version = args.vllm_version or serve_args.client_release()
+
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a: object) -> None:
             pass
 
         def do_GET(self) -> None:
             body = b"" if self.path == "/health" else METRICS.encode()
+            if self.path == "/version":
+                body = json.dumps({"version": version}).encode()
             sick = self.path == "/health" and args.never_healthy
             self.send_response(503 if sick else 200)
             self.send_header("Content-Length", str(len(body)))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kit import bundle, schema
-from kit.bench import one_server
+from kit.bench import one_server, serve_args
 from kit.bench import run as bench
 from kit.bench.plan import BenchPlanError
 from kit.bench.serve import free_port, wait_healthy
@@ -208,12 +208,12 @@ def test_the_interleaved_run_overlaps_so_the_check_can_fail(tmp_path: Path) -> N
 def running_server(tmp_path: Path):
     started = []
 
-    def start(tree: str) -> str:
+    def start(tree: str, *extra: str) -> str:
         port = free_port()
         folder = tmp_path / "servers" / f"{tree}-{port}"
         folder.mkdir(parents=True)
         proc = subprocess.Popen(
-            [sys.executable, STAND_IN, "--port", str(port), "--state", str(folder)],
+            [sys.executable, STAND_IN, "--port", str(port), "--state", str(folder), *extra],
             cwd=ROOT,
             start_new_session=True,
         )
@@ -260,6 +260,21 @@ def test_session_records_merge_into_one_bundle(tmp_path: Path, running_server, m
     argv = [*common, "--merge-sessions", *folders[:-1], "--out", str(bad)]
     assert bench.main(argv) == 1
     assert "each tree needs" in json.loads((bad / bundle.FAILED).read_text())["reason"]
+
+
+def test_a_server_of_another_release_is_refused(tmp_path: Path, running_server) -> None:
+    """The expected hits follow the hashing of the vLLM the client finds, so a server
+    given by URL that runs another release is refused in one line, before any
+    request, naming both releases."""
+    url = running_server("patched", "--vllm-version", "0.99.0+cu130")
+    out = tmp_path / "out"
+    argv = ["--reps", "1", "--shared", "900", "--model-dir", str(_model(tmp_path / "m"))]
+    argv += ["--server-url", f"patched={url}", "--session", "patched:0", "--out", str(out)]
+    assert bench.main(argv) == 1
+    reason = json.loads((out / bundle.FAILED).read_text())["reason"]
+    here = serve_args.client_release()
+    assert f"the server runs vLLM 0.99.0 and this client finds vLLM {here}" in reason
+    assert "\n" not in reason
 
 
 # --- the flow chooses it ---------------------------------------------------------------
