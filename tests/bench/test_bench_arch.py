@@ -161,6 +161,7 @@ def _start(plan: BenchPlan, env: dict, out: Path, monkeypatch) -> tuple[dict, di
     whether the stand-in folders are still there once the run's stack closes."""
     monkeypatch.setattr(Server, "start", lambda self: self)
     monkeypatch.setattr(bench, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "check_release", lambda *a, **k: None)  # no server answers
     with ExitStack() as stack:
         served = bench.Served(["--model", "m"], [], env, 1, {})
         servers = bench.start_servers(stack, plan, served, out)

@@ -56,6 +56,7 @@ def test_a_tree_says_whether_it_carries_the_fix_not_its_name(tmp_path: Path) -> 
 def _started(plan, pinned=None, tmp_path: Path = Path("."), monkeypatch=None) -> dict:
     monkeypatch.setattr(Server, "start", lambda self: self)
     monkeypatch.setattr(bench, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "check_release", lambda *a, **k: None)  # no server answers
     with ExitStack() as stack:
         servers = bench.start_servers(stack, plan, SERVED, tmp_path / "out", pinned)
     return {tree: (server.fix, server.args) for tree, server in servers.items()}

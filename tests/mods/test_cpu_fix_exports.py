@@ -50,7 +50,13 @@ SPEC_EXPORTS = {2: EXPORTS[1], 3: EXPORTS[2]}
 BATCHES = {
     "decode_and_prefills": (ROWS, EXPORTS, None),
     "spec_decodes_and_prefills": (SPEC_ROWS, SPEC_EXPORTS, [1, 1, -1, -1]),
+    # Without the fix's extras the step still runs in pieces: vLLM's own prompt
+    # checkpoint is in the pass on the grid (the exporter's rows are vLLM's).
+    "prompt_checkpoint_only": (ROWS, None, None),
 }
+# COLD's prompt checkpoint (576, in the block below its last: column 1), by the
+# batch row COLD is.
+COLD_ROW = {"decode_and_prefills": 1, "spec_decodes_and_prefills": 2, "prompt_checkpoint_only": 1}
 
 
 def compiled_ops() -> Path:
@@ -200,7 +206,8 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
             for offset, block, start, row in zip(
                 checkpoint.checkpoint_offsets.tolist(),
                 checkpoint.state_indices.tolist(),
-                cu_seqlens.tolist(),
+                # The kernel reads each row's start: cu_seqlens may go on past them.
+                cu_seqlens.tolist()[: checkpoint.checkpoint_offsets.numel()],
                 recurrent_rows.tolist(),
                 strict=True,
             ):
@@ -328,6 +335,17 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
 
     result["batches"] = {name: scenario(name) for name in BATCHES}
     result["unchained"] = scenario("decode_and_prefills", unchained)
+    # vLLM's C++ causal conv: with speculation the op takes it only on AMX (or Arm
+    # BF16) CPUs; it runs on any AVX-512 BF16 one, so the same batches once more
+    # through it, where this CPU can.
+    result["native_conv"] = None
+    if torch.cpu._is_avx512_bf16_supported():
+        calls = []
+        conv = gdn_cpu._causal_conv1d_fwd_cpu
+        gdn_cpu._causal_conv1d_fwd_cpu = lambda **kw: calls.append(1) or conv(**kw)
+        torch.cpu._is_amx_tile_supported = lambda: True
+        result["native_conv"] = {name: scenario(name) for name in BATCHES}
+        result["native_conv_calls"] = len(calls)
     (out / "cpu.json").write_text(json.dumps(result, indent=1))
 
 
@@ -357,20 +375,30 @@ def test_the_layer_takes_the_grid_only_for_the_fix_where_it_can_export(cpu_run) 
     }
 
 
+@pytest.mark.parametrize("conv", ["torch", "c++"])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_every_export_final_and_output_is_the_split_paths(cpu_run, batch: str) -> None:  # noqa: ANN001
+def test_every_export_final_and_output_is_the_split_paths(cpu_run, batch: str, conv: str) -> None:  # noqa: ANN001
     """vLLM's layer on the CPU, the planned batch (pieces, one step) against the
     split path's steps on the same caches: each export's conv window and recurrent
-    state, each prefill row's final state and the layer's output, bit for bit."""
-    got = cpu_run["batches"][batch]
+    state, each prefill row's final state and the layer's output, bit for bit;
+    through vLLM's torch conv and its C++ one."""
+    if conv == "c++":
+        if cpu_run["native_conv"] is None:
+            pytest.skip("vLLM's C++ conv needs AVX-512 BF16, which this CPU lacks")
+        assert cpu_run["native_conv_calls"] > 0
+        got = cpu_run["native_conv"][batch]
+    else:
+        got = cpu_run["batches"][batch]
     assert (got["backend"], got["pieces"]) == ("triton", True)
-    # vLLM's prompt checkpoint (COLD at 576, in the block below its last) and the
-    # six extras, each in its own block.
-    cold = 1 if batch.startswith("decode") else 2
-    assert sorted((c["offset"], c["block"]) for c in got["exports"]) == sorted(
-        [(576, 100 * cold + 2)]
-        + [(p - s + q, b) for (s, q, _), row in ((COLD, 1), (RESUMED, 2)) for p, b in EXPORTS[row]]
-    )
+    # vLLM's prompt checkpoint and the six extras, each in its own block.
+    extras = {} if BATCHES[batch][1] is None else EXPORTS
+    want = [(576, 100 * COLD_ROW[batch] + 2)]
+    want += [
+        (p - s + q, b)
+        for (s, q, _), row in ((COLD, 1), (RESUMED, 2))
+        for p, b in extras.get(row, [])
+    ]
+    assert sorted((c["offset"], c["block"]) for c in got["exports"]) == sorted(want)
     for check in got["exports"]:
         assert check["conv_bitwise"] and check["ssm_bitwise"], check
     assert all(got["finals_bitwise"].values()), got["finals_bitwise"]
