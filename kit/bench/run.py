@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 from kit import bundle
-from kit.bench import one_server, step_log
+from kit.bench import one_server, regime_fit, step_log
 from kit.bench import plan as bench_plan
 from kit.bench.md_blocks import kernels_line, result_blocks
 from kit.bench.openai_client import MetricsError, RequestError, served_release
@@ -452,6 +452,7 @@ def markdown(report: dict) -> str:
             f"Checkpoint path: **{report['path']}** (geometry regime {geo['checkpoints']}; "
             f"step budget {geo['budget']}; block {geo['block']}, H {geo['unit']}, "
             f"MTP k={geo['num_spec']}; {env or 'no checkpoint variable'}).",
+            *regimes_line(report["checkpoints"].get("by_tree")),
             "",
             servers_line(report.get("one_server"), report.get("pairing")),
             "",
@@ -471,6 +472,18 @@ def markdown(report: dict) -> str:
             "",
         ]
     )
+
+
+def regimes_line(by_tree: dict | None) -> list[str]:
+    """Where the servers' vLLM chose the checkpoint regime, the one each tree's hits
+    fit (``regime_fit``); nothing where the kit set it."""
+    if not by_tree or not any(t["observed"] for t in by_tree.values()):
+        return []
+    said = "; ".join(
+        f"{tree} {t['regime']} (fit: {', '.join(t['fits']) or 'none'})"
+        for tree, t in by_tree.items()
+    )
+    return [f"Regime the servers' hits fit, by tree: {said}."]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -720,6 +733,12 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
     tree_records = {tree: found.mods_record() for tree, found in pinned.items()}
     measured = MEASURES[plan.mode](plan, out, served, pinned, progress)
     rows, geo, servers = measured.rows, measured.geo, measured.servers
+    # Off the CPU the servers' vLLM picks the checkpoint regime: read it off the hits.
+    regimes = (
+        regime_fit.fit(rows, geo.checkpoints)
+        if plan.target != "cpu"
+        else regime_fit.assumed(geo.checkpoints)
+    )
     summary = summarize(rows)
     pauses = host_pauses(rows)
     report = {
@@ -735,6 +754,8 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
         "checkpoints": {
             "path": plan.checkpoints,
             "regime": geo.checkpoints,
+            # Per tree: the regime its hits were judged by (regime_fit).
+            "by_tree": regimes,
             "budget": plan.budget,
             # The servers' checkpoint switch (from --server-url: what the servers
             # were told by the orchestrator, which passes the same --checkpoints).

@@ -8,6 +8,7 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from kit.bench import oracle
 from kit.bench.host_steal import steal_s, stolen_between
@@ -22,10 +23,12 @@ from kit.bench.openai_client import (
     parse_engine_times,
     reset_prefix_cache,
 )
+from kit.bench.regime_fit import BY_REGIME
 from kit.bench.serve import Server
 from kit.bench.serve_args import SERVED_NAME, path_by_regime
 from kit.geometry.geometry_cases import PROBE_TOKEN
 from kit.geometry.geometry_model import (
+    REGIMES,
     Case,
     Geometry,
     expected,
@@ -133,6 +136,16 @@ def pair_requests(
     yield tag_path([measure(server, tree, a, "cold_A", 0, rep, shared)], geo)[0]
     cached = measure(server, tree, b, "cached_B", want_b, rep, shared)
     cached["ideal_cached"] = lookahead_ideal(case, geo.hash_lookahead)
+    # The hit each checkpoint regime predicts (kit.bench.regime_fit: a served
+    # model's regime is its vLLM's choice).
+    cached[BY_REGIME] = {
+        regime: expected(
+            bench_case(replace(geo, checkpoints=regime), shared),
+            patched=server.fix,
+            lookahead=geo.hash_lookahead,
+        ).hit
+        for regime in REGIMES
+    }
     yield tag_path([cached], geo)[0]
     yield tag_path([measure(server, tree, b, "repeat_B", resend, rep, shared)], geo)[0]
     reset_prefix_cache(server.url)

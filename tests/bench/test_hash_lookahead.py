@@ -84,7 +84,8 @@ def test_every_enabled_speculative_entry_declares_its_drafter_lookahead() -> Non
 # four-turn conversation, for one and three MTP tokens in every checkpoint regime;
 # each hit, and what the bench would expect of it, as JSON. 2048-token blocks, as the
 # CPU default's, where no reply completes a block; and 1056-token blocks with contexts
-# whose first reply does (S = 1001-1008: turn 1's prompt 1049-1056), or does not.
+# whose first reply does (S = 1001-1008: turn 1's prompt 1049-1056), or does not, and
+# the bench's S, where cached B depends on the regime (S = 2048: regime_fit).
 _ON_TREE = r"""
 import json, sys
 from pathlib import Path
@@ -99,7 +100,7 @@ from kit.rig.sched_harness import SchedulerRig
 
 model, fix = Path(sys.argv[1]), sys.argv[2] == "1"
 rows, lookaheads = [], set()
-CONTEXTS = {2048: (1004, 1007, 2048, 2159), 1056: (1000, 1001, 1004, 1008)}
+CONTEXTS = {2048: (1004, 1007, 2048, 2159), 1056: (900, 1000, 1001, 1004, 1008, 2048, 2159)}
 for num_spec in (1, 3):
     for regime in REGIMES:
         for block, shared in ((b, s) for b, ss in CONTEXTS.items() for s in ss):
@@ -152,7 +153,7 @@ def test_the_expected_hits_are_the_newest_schedulers(stage: str, tiny_model_dir:
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["lookaheads"] == [1]
-    assert len(got["rows"]) == 2 * 3 * 8 * 5
+    assert len(got["rows"]) == 2 * 3 * 11 * 5
     # Turn 2 of S = 1001, 1004 and 1008 in 1056-token blocks: its reply completes 1056.
     assert sum(row.get("crosses", False) for row in got["rows"]) == 2 * 3 * 3
     wrong = [row for row in got["rows"] if row["hit"] != row["want"]]
