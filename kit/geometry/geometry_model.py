@@ -185,14 +185,15 @@ def next_turn_resume(prompt_len: int, reply_tokens: int, geo: Geometry) -> int:
     """Where a conversation's next turn resumes: the previous prompt's checkpoint,
     or the last block boundary its reply completed where that is higher.
 
-    The reply's decode ends a step at every block boundary it crosses (align
-    mode keeps the running state there), and the boundary's attention block is
-    hashed once the tokens it needs are known: the boundary itself, or with
-    lookahead hashes L more (``prompt_len + reply_tokens - max(1, L)``, the last
-    sampled token never being computed). Under EAGLE with 0.32.0's hashing the
-    follow-up's match at that boundary drops a unit, where no state is, so it
-    resumes at the checkpoint. Checked on the real scheduler of 0.32.0 and
-    0.34.0 (``tests/bench/test_hash_lookahead.py``).
+    Align mode keeps the running state at every block boundary the reply's
+    decode crosses, and the boundary's attention block is hashed once the tokens
+    it needs are known: the boundary itself, or with lookahead hashes L more
+    (``prompt_len + reply_tokens - max(1, L)``, the last sampled token never
+    being computed). Under EAGLE with 0.32.0's hashing the follow-up's match at
+    that boundary drops a unit, where no state is, so it resumes at the
+    checkpoint. Checked on the real scheduler of 0.32.0 and 0.34.0
+    (``tests/bench/test_hash_lookahead.py``, ``tests/regression/test_conversation.py``),
+    decoding one token per step: the rig proposes no draft tokens.
     """
     checkpoint = prompt_checkpoint(prompt_len, geo.unit, geo.eagle, geo.hash_lookahead)
     if geo.eagle and not geo.hash_lookahead:
