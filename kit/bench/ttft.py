@@ -127,7 +127,17 @@ def pair_requests(
     a = ctx + [PROBE_TOKEN]
     b = ctx + [4000 + i for i in range(TURN_LEN)]
     case = bench_case(geo, shared)
-    want_b = expected(case, patched=server.fix, lookahead=geo.hash_lookahead).hit
+    # The hit each checkpoint regime predicts (kit.bench.regime_fit: a served
+    # model's regime is its vLLM's choice); the bench expects its geometry's.
+    by_regime = {
+        regime: expected(
+            bench_case(replace(geo, checkpoints=regime), shared),
+            patched=server.fix,
+            lookahead=geo.hash_lookahead,
+        ).hit
+        for regime in REGIMES
+    }
+    want_b = by_regime[geo.checkpoints]
     resend = prompt_checkpoint(len(b), geo.unit, geo.eagle, geo.hash_lookahead)
     # Unmeasured: the first request after the server sat idle (while the other
     # tree ran) waited about 1 s before its prefill in a third of the
@@ -136,16 +146,7 @@ def pair_requests(
     yield tag_path([measure(server, tree, a, "cold_A", 0, rep, shared)], geo)[0]
     cached = measure(server, tree, b, "cached_B", want_b, rep, shared)
     cached["ideal_cached"] = lookahead_ideal(case, geo.hash_lookahead)
-    # The hit each checkpoint regime predicts (kit.bench.regime_fit: a served
-    # model's regime is its vLLM's choice).
-    cached[BY_REGIME] = {
-        regime: expected(
-            bench_case(replace(geo, checkpoints=regime), shared),
-            patched=server.fix,
-            lookahead=geo.hash_lookahead,
-        ).hit
-        for regime in REGIMES
-    }
+    cached[BY_REGIME] = by_regime
     yield tag_path([cached], geo)[0]
     yield tag_path([measure(server, tree, b, "repeat_B", resend, rep, shared)], geo)[0]
     reset_prefix_cache(server.url)

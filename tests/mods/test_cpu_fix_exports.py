@@ -54,9 +54,6 @@ BATCHES = {
     # checkpoint is in the pass on the grid (the exporter's rows are vLLM's).
     "prompt_checkpoint_only": (ROWS, None, None),
 }
-# COLD's prompt checkpoint (576, in the block below its last: column 1), by the
-# batch row COLD is.
-COLD_ROW = {"decode_and_prefills": 1, "spec_decodes_and_prefills": 2, "prompt_checkpoint_only": 1}
 
 
 def compiled_ops() -> Path:
@@ -328,10 +325,8 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
             },
         }
 
-    import dataclasses
-
     def unchained(pieces):  # noqa: ANN001, ANN202
-        return dataclasses.replace(pieces, sources=pieces.sources.clamp(max=-1))
+        return replace(pieces, sources=pieces.sources.clamp(max=-1))
 
     result["batches"] = {name: scenario(name) for name in BATCHES}
     result["unchained"] = scenario("decode_and_prefills", unchained)
@@ -390,9 +385,11 @@ def test_every_export_final_and_output_is_the_split_paths(cpu_run, batch: str, c
     else:
         got = cpu_run["batches"][batch]
     assert (got["backend"], got["pieces"]) == ("triton", True)
-    # vLLM's prompt checkpoint and the six extras, each in its own block.
-    extras = {} if BATCHES[batch][1] is None else EXPORTS
-    want = [(576, 100 * COLD_ROW[batch] + 2)]
+    # vLLM's prompt checkpoint (COLD at 576, in the block below its last: column 1
+    # of COLD's row) and the six extras, each in its own block.
+    rows, exports, _ = BATCHES[batch]
+    extras = {} if exports is None else EXPORTS
+    want = [(576, 100 * rows.index(COLD) + 2)]
     want += [
         (p - s + q, b)
         for (s, q, _), row in ((COLD, 1), (RESUMED, 2))
