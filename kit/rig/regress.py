@@ -492,5 +492,15 @@ def render(report: dict) -> str:
                 for hashing, rows in report["later_turns"].items()
                 for line in later_turns.render(f"{hashing} hashes", rows)
             ),
+            *moved_section(report),
         ]
     )
+
+
+def moved_section(report: dict) -> list[str]:
+    """The split report's section on backends the fix moves into the pass, if any."""
+    if "moved_to_pass" not in report:
+        return []
+    from kit.rig import moved_to_pass  # it builds on this module
+
+    return ["", *moved_to_pass.render(report["moved_to_pass"])]
