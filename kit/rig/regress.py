@@ -47,7 +47,9 @@ turn that is not ``ok``, or a cache geometry that is not the same on every tree.
 Results: ``regression.json`` and ``regression.md`` per regime and ``grid.png``
 under ``--out`` (default ``results/regression/``, a release other than the pinned
 one in its ``<release>/`` folder: ``releases.results_dir``); the split regime at
-the top, the internal ones in ``internal-1/`` and ``internal-grid/``.
+the top, the internal ones in ``internal-1/`` and ``internal-grid/``. Where the
+patched tree moves a backend from the split path into the pass, the split table
+also pairs the two regimes as its users meet them (``kit.rig.moved_to_pass``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -438,8 +440,8 @@ def table_headers(report: dict) -> list[str]:
     ]
 
 
-def render(report: dict) -> str:
-    """The table as Markdown."""
+def render(report: dict, sections: Sequence[str] = ()) -> str:
+    """The table as Markdown, then ``sections``' lines (a view built beside it)."""
     from tabulate import tabulate
 
     source = (
@@ -492,15 +494,6 @@ def render(report: dict) -> str:
                 for hashing, rows in report["later_turns"].items()
                 for line in later_turns.render(f"{hashing} hashes", rows)
             ),
-            *moved_section(report),
+            *(["", *sections] if sections else []),
         ]
     )
-
-
-def moved_section(report: dict) -> list[str]:
-    """The split report's section on backends the fix moves into the pass, if any."""
-    if "moved_to_pass" not in report:
-        return []
-    from kit.rig import moved_to_pass  # it builds on this module
-
-    return ["", *moved_to_pass.render(report["moved_to_pass"])]

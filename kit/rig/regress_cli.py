@@ -101,7 +101,9 @@ def run(
         failed += [f"[split -> pass] {problem}" for problem in moved_to_pass.failures(view)]
     for regime, report in reports.items():
         where = regress.regime_dir(out, regime)
-        bundle.write_regression(where, report, regress.render(report))
+        view = report.get("moved_to_pass")
+        sections = moved_to_pass.render(view) if view else []
+        bundle.write_regression(where, report, regress.render(report, sections))
         if not quiet:
             print(tabulate(regress.terminal_table(report), headers=regress.table_headers(report)))
         print(f"[{regime}] summary: {report['summary']}")

@@ -20,7 +20,8 @@ import pytest
 
 from kit.geometry.geometry_cases import all_cases
 from kit.geometry.geometry_model import REGIMES, Case, Geometry, expected, lookahead_ideal
-from kit.rig import later_turns, regress_cli
+from kit.paths import REGRESSION_RESULTS
+from kit.rig import later_turns, moved_to_pass, regress_cli
 from kit.vllm_tree import releases
 
 pytestmark = pytest.mark.cpu
@@ -222,6 +223,22 @@ def test_a_kept_state_costs_no_step_where_the_layer_exports_it(release_table: di
     split = [r for rows in release_table["later_turns"].values() for r in rows if r["kept"]]
     assert split and all(r["extra_steps"] >= 1 for r in split)
     assert all(e["cases"] > 0 for e in release_table["cold_extra_steps"].values())
+
+
+def test_the_split_to_pass_view_is_the_committed_one(release_table: dict) -> None:
+    """Where the patched tree moves Triton, HIP and CPU GDN into the pass, the
+    freshly measured split table pairs unpatched split with patched grid as the
+    committed table does (what the README and docs/results.md quote), and no
+    cold prompt or later turn takes a step more there."""
+    version = release_table["vllm_version"]
+    committed = json.loads(
+        (releases.results_dir(REGRESSION_RESULTS, version) / "regression.json").read_text()
+    )
+    if "moved_to_pass" not in committed:
+        assert "moved_to_pass" not in release_table
+        pytest.skip(f"{version}'s patched tree moves no backend into the pass")
+    assert release_table["moved_to_pass"] == committed["moved_to_pass"]
+    assert moved_to_pass.failures(release_table["moved_to_pass"]) == []
 
 
 # Run in a release tree: the later-turn rows of the internal-1 regime, lookahead
