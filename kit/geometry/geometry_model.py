@@ -55,6 +55,11 @@ class Geometry:
     # Mamba2 and FlashInfer GDN), so the fix's states are exports; a layer that
     # writes one (stock Mamba2, KDA) makes the fix decline the export instead.
     layer_extra_exports: bool = True
+    # The patched tree also exports the last cacheable block boundary where a chunk
+    # runs past it (0.34.0's lookahead port): the state the split path's chunk end
+    # keeps there, which a chunk the layer exports from would otherwise not keep.
+    # The scheduler rigs read it off the tree; the bench's pair never depends on it.
+    fix_exports_block_boundary: bool = False
     # The tokens a block's hash also covers past it (vLLM's num_hash_lookahead_tokens:
     # 0 with the 0.32.0 hashing, or without speculative decoding), as the bench's
     # servers hash (serve_args.hash_lookahead); the bench passes it to expected() and
@@ -226,10 +231,17 @@ class Checkpoints:
     tail: int  # the prompt checkpoint
     pred: int  # patched: one unit below the prompt checkpoint
     block_pred: int  # patched: one unit below the last block boundary A crosses
+    # patched, where the tree exports it: ``last_block`` again, kept by an export
+    # where a chunk runs past it (``Geometry.fix_exports_block_boundary``)
+    boundary: int = 0
 
     def extra(self) -> tuple[int, ...]:
         """The patched positions, which may lie inside the block below ``last_block``."""
         return tuple(p for p in (self.pred, self.block_pred) if p)
+
+    def exportable(self) -> tuple[int, ...]:
+        """Every position the fix may export inside a chunk: ``extra`` and ``boundary``."""
+        return tuple(p for p in (*self.extra(), self.boundary) if p)
 
 
 def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
@@ -249,7 +261,8 @@ def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
         return Checkpoints(last_block, tail, 0, 0)
     # The EAGLE rewind turns a match on the boundary into a resume one unit below.
     block_pred = crossed - h if crossed and h < b else 0
-    return Checkpoints(last_block, tail, max(tail - h, 0), block_pred)
+    boundary = last_block if case.geometry.fix_exports_block_boundary else 0
+    return Checkpoints(last_block, tail, max(tail - h, 0), block_pred, boundary)
 
 
 def checkpoint_position(num_tokens: int, case: Case, lookahead: int = 0) -> int:
@@ -313,13 +326,20 @@ def fix_exports(
     chunk: a layer whose kernel emits on a grid runs the rest of the way itself
     (FlashInfer GDN: a short recurrence from the emitted state below). Never the
     prompt checkpoint, which the layer exports or the scheduler stops at anyway.
-    ``lookahead`` only moves the positions (``cp``).
+    Where the tree does (``fix_exports_block_boundary``), also the last block
+    boundary, which a chunk that runs past it keeps no state at; where the split
+    path stops there it is a chunk end instead. ``lookahead`` only moves the
+    positions (``cp``).
     """
     if case.geometry.checkpoint_alignment is None or not case.geometry.layer_extra_exports:
         return ()
     return tuple(
         sorted(
-            {p for p in cp.extra() if start < p < end and p != cp.tail and p - start >= case.unit}
+            {
+                p
+                for p in cp.exportable()
+                if start < p < end and p != cp.tail and p - start >= case.unit
+            }
         )
     )
 
@@ -332,7 +352,7 @@ def resumed_fix_skips(case: Case, cp: Checkpoints, resume: int) -> set[int]:
     keep all."""
     if resume <= 0 or not case.eagle:
         return set()
-    return {p for p in cp.extra() if resume < p < resume + FIX_MIN_GAIN and p != cp.tail}
+    return {p for p in cp.exportable() if resume < p < resume + FIX_MIN_GAIN and p != cp.tail}
 
 
 def producer_chunk_ends(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
@@ -406,7 +426,8 @@ def producer_prefill(
                 (*kept, exported, *extra),
                 (*fix_kept, *extra),
             )
-        inside = [s for s in stops if start < s < n and s not in extra]
+        # An export is no stop, but the last block boundary stays one on this path.
+        inside = [s for s in stops if start < s < n and (s not in extra or s == cp.last_block)]
         if start % b:
             next_boundary = (start // b + 1) * b
             if next_boundary < n:

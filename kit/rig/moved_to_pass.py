@@ -11,13 +11,13 @@ mod's gate), so a k = 0 case is patched split against unpatched split.
 tree's split rows against the patched tree's internal-grid rows (k > 0) or split
 rows (k = 0), per hashing. It reports the engine steps the fix adds to a cold
 prompt and to a later turn (the split path's chunk ends are what the pass saves),
-the hits (``regress.fix_effect``: a ``WORSE`` here is a state the split path keeps
-and the pass does not), and the EAGLE-specific loss against the same patched tree
-without speculation. ``failures``: a step the fix adds fails the run, as within a
-regime; a worse hit is reported, not failed, because it is the regimes' trade
-(one prefill chunk keeps no block-boundary state below its prompt checkpoint:
-vLLM's own FlashInfer path makes the same trade), and this view exists to show
-its size.
+the hits (``regress.fix_effect``), and the EAGLE-specific loss against the same
+patched tree without speculation. ``failures``, as within a regime: a step the
+fix adds, a case it makes ``WORSE``, a later turn's sibling resuming lower. One
+prefill chunk keeps no state at the last block boundary below its prompt
+checkpoint, where the split path ends a chunk (vLLM's own FlashInfer path makes
+that trade), so the fix exports that boundary's state too; without it 10 grid
+cases with lookahead hashes resume 16 tokens lower than unpatched.
 """
 
 from __future__ import annotations
@@ -104,9 +104,15 @@ def build(reports: dict[str, dict]) -> dict:
 
 
 def failures(view: dict) -> list[str]:
-    """A cold prompt or a later turn the fix makes take an engine step more."""
+    """A cold prompt or a later turn the fix makes take an engine step more, a
+    follow-up it makes resume lower, a later turn's sibling resuming lower."""
     found = []
     for hashing, part in view["hashings"].items():
+        if part["worse"]:
+            found.append(f"{hashing} hashes: {len(part['worse'])} WORSE: {part['worse']}")
+        siblings = part["later_turns"]["sibling_lower"]
+        if siblings:
+            found.append(f"{hashing} hashes: later turns' siblings resume lower: {siblings}")
         added = part["cold_steps"].get("added")
         if added:
             found.append(f"{hashing} hashes: {added} cold prompts take a step more")
@@ -123,9 +129,8 @@ def render(view: dict) -> list[str]:
         "",
         f"With `{MOVES_INTO_PASS}`, the fix on and EAGLE/MTP, these backends export every "
         f"kept state from the pass; unpatched they run the split path. Unpatched `{BEFORE}` "
-        f"against patched `{AFTER}` (k = 0: patched `{BEFORE}`, the mod's gate). A WORSE hit "
-        "is a block-boundary state the split path's chunk end keeps and one prefill chunk "
-        "does not; it is reported, not failed. A step the fix adds fails the run.",
+        f"against patched `{AFTER}` (k = 0: patched `{BEFORE}`, the mod's gate). A step the "
+        "fix adds, a WORSE hit or a sibling resuming lower fails the run.",
         "",
         "| hashing | cold prompts: steps fewer / same / more | fix effect "
         "| WORSE cases (unpatched → patched) | EAGLE-specific loss, patched (cases, tokens) "

@@ -94,7 +94,7 @@ def check(fix: bool) -> dict:
     """Every grid case of blocks 64 and 384, k = 0 and 1, with the real Mamba2 spec."""
     from kit.geometry.geometry_cases import all_cases
     from kit.geometry.geometry_model import expected
-    from kit.rig.sched_harness import build_vllm_config, run_case
+    from kit.rig.sched_harness import build_vllm_config, run_case, tree_exports_block_boundary
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp) / "tiny-nemotron-h")
@@ -110,6 +110,7 @@ def check(fix: bool) -> dict:
         vllm_config.cache_config.mamba_block_size = first.block
         spec = mamba2_spec(vllm_config)
         rows, differ = 0, []
+        boundary = tree_exports_block_boundary()
         for cid, case in cases:
             # Each case's block and draft count; the rest is the layer's own spec.
             layer = replace(spec, block_size=case.block, num_speculative_blocks=case.num_spec)
@@ -118,7 +119,14 @@ def check(fix: bool) -> dict:
             # the tree's worker patch makes it (fix-eagle-fine-prefix-exports); else
             # it writes the prompt checkpoint only and the fix declines the export.
             extra = bool(getattr(layer, "prefill_checkpoint_extra_exports", False))
-            model_case = replace(case, geometry=replace(case.geometry, layer_extra_exports=extra))
+            model_case = replace(
+                case,
+                geometry=replace(
+                    case.geometry,
+                    layer_extra_exports=extra,
+                    fix_exports_block_boundary=boundary,
+                ),
+            )
             lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
             want = expected(model_case, patched=fix, lookahead=lookahead)
             got = (tuple(rig.chunk_ends[a.request_id]), b.hit, b.resumed_from_own_prefix())

@@ -84,10 +84,11 @@ def measure(
     ``checkpoints``: the regime."""
     import vllm
 
-    from kit.rig.sched_harness import cache_geometry, run_case
+    from kit.rig.sched_harness import cache_geometry, run_case, tree_exports_block_boundary
 
     rows = {}
     geometry = {}
+    boundary = tree_exports_block_boundary()
     for case_id, case in all_cases(checkpoints):
         rig, a, b, bounds = run_case(model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes)
         rows[case_id] = {
@@ -107,6 +108,8 @@ def measure(
                     False,
                 )
             ),
+            # Whether the fix exports the last block boundary (else only a chunk end).
+            "fix_exports_block_boundary": boundary,
         }
         geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
     return {
@@ -216,7 +219,13 @@ def as_measured(case: Case, row: dict) -> Case:
     """The case with the layer the rig declared: a release whose builder writes no
     extra states takes the fix's states as chunk ends."""
     extra = row.get("layer_extra_exports", case.geometry.layer_extra_exports)
-    return replace(case, geometry=replace(case.geometry, layer_extra_exports=extra))
+    boundary = row.get("fix_exports_block_boundary", case.geometry.fix_exports_block_boundary)
+    return replace(
+        case,
+        geometry=replace(
+            case.geometry, layer_extra_exports=extra, fix_exports_block_boundary=boundary
+        ),
+    )
 
 
 def verdict(case: Case, row: dict, patched: bool | None) -> str:

@@ -150,6 +150,17 @@ def tree_writes_extra_exports() -> bool:
     return "extra_exports" in {f.name for f in dataclasses.fields(MambaPrefillCheckpointMetadata)}
 
 
+def tree_exports_block_boundary() -> bool:
+    """Whether this tree's fix also exports the last cacheable block boundary where a
+    chunk runs past it (0.34.0's lookahead port), asked of its own export rule on one
+    prompt: 584 tokens in 384-token blocks, whose last boundary is 384."""
+    from vllm.v1 import kv_cache_interface
+
+    rule = getattr(kv_cache_interface, "get_mamba_eagle_fix_exports", None)
+    # Positional: the pinned release's rule takes no lookahead argument.
+    return rule is not None and 384 in rule(0, 584, 584, 384, 16, False, 64)
+
+
 def extra_exports(geo: Geometry) -> dict[str, bool]:
     """The spec field of a layer that writes more states per row than the prompt
     checkpoint (``cpu-gdn-prefill-checkpoint``, FlashInfer GDN with

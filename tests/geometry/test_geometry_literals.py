@@ -28,6 +28,8 @@ scheduler (``kit.rig.sched_harness.run_case`` on the 0.32.0 trees, and on
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kit.geometry.geometry_model import (
@@ -191,3 +193,51 @@ def test_follow_up_with_lookahead_hashes(
     assert (want.chunk_ends, want.hit) == (chunk_ends, hit)
     # Lookahead hashes drop nothing: B resumes at the match itself.
     assert want.fa_eagle == want.fa_match
+
+
+# One prefill chunk the layer exports from (the 64-token grid), 384-token blocks,
+# one draft token, lookahead hashes: A = 544 shared + a 40-token tail = 584 tokens,
+# B shares 544 and proves floor(543/16)*16 = 528.
+GRID = Geometry(384, 16, 1, checkpoints="internal-grid")
+
+
+@pytest.mark.parametrize(
+    ("geometry", "patched", "hit"),
+    [
+        # A's checkpoint floor(583/16)*16 = 576 is past what B proves, and the one
+        # chunk keeps no state at 384: B falls to 0.
+        (GRID, False, 0),
+        # The fix exports 576 - 16 = 560 and 384 - 16 = 368 in the pass: B at 368.
+        (GRID, True, 368),
+        # Exporting the block boundary too (the split path's chunk end at 384): B at 384.
+        (replace(GRID, fix_exports_block_boundary=True), True, 384),
+        # The split path ends a chunk at 384 on both trees; the export changes nothing.
+        (replace(GRID, checkpoints="split"), False, 384),
+        (replace(GRID, checkpoints="split", fix_exports_block_boundary=True), True, 384),
+    ],
+)
+def test_the_block_boundary_a_chunk_runs_past(geometry: Geometry, patched: bool, hit: int) -> None:
+    want = expected(Case(geometry, 544, 40), patched, lookahead=1)
+    assert want.hit == hit
+    # In the pass: one chunk, no step for any export; on the split path: 384, 576, 584
+    # (and the fix's 368 and 560 as chunk ends: the split path exports nothing).
+    split = geometry.checkpoints == "split"
+    ends = ((368, 384, 560, 576, 584) if patched else (384, 576, 584)) if split else (584,)
+    assert want.chunk_ends == ends
+
+
+@pytest.mark.parametrize("regime", ["split", "internal-1", "internal-grid"])
+def test_the_bench_pair_never_needs_the_block_boundary_export(regime: str) -> None:
+    """The bench's A is B's context plus one probe token, so B's hit lies at or above
+    the fix's predecessors and never on the last block boundary below them: its
+    expectations hold whether or not the served tree exports that boundary, and
+    the bench leaves ``fix_exports_block_boundary`` at its default."""
+    for block in (64, 528, 1056, 2048, 2144):
+        for num_spec, lookahead in ((1, 1), (1, 0), (3, 3)):
+            plain = Geometry(block, 16, num_spec, budget=8192, checkpoints=regime)
+            exporting = replace(plain, fix_exports_block_boundary=True)
+            for shared in range(block - 40, 2 * block + 40, 3):
+                assert (
+                    expected(Case(plain, shared, 1), True, lookahead).hit
+                    == expected(Case(exporting, shared, 1), True, lookahead).hit
+                ), (block, num_spec, shared)

@@ -79,7 +79,15 @@ def test_unpatched_split_against_patched_pass() -> None:
     # Without speculation the patched tree (split) resumes at 384: MTP alone costs 16.
     assert part["eagle_specific_loss"] == {"cases": 1, "tokens": 16}
     assert part["later_turns"] == {"turns": 1, "extra_steps": [], "sibling_lower": []}
-    # A worse hit is the regimes' trade, reported; no step is added, so nothing fails.
+    # No step is added, but a follow-up resumes lower than unpatched: that fails.
+    assert moved_to_pass.failures(moved_to_pass.build(reports)) == [
+        f"lookahead hashes: 1 WORSE: [{{'case': '{CASE}', 'unpatched': 384, 'patched': 368}}]"
+    ]
+    # Exporting the block boundary too: as unpatched, one step fewer, nothing fails.
+    reports = _reports(_cell(384, 1), _turn([2, 3], [1040, 1056]))
+    part = moved_to_pass.build(reports)["hashings"]["lookahead"]
+    assert part["fix_effect"] == {"same": 2}
+    assert part["eagle_specific_loss"] == {"cases": 0, "tokens": 0}
     assert moved_to_pass.failures(moved_to_pass.build(reports)) == []
 
 
@@ -90,6 +98,7 @@ def test_a_step_the_pass_adds_fails_the_run() -> None:
     assert part["later_turns"]["extra_steps"] == ["B64-k1-user100"]
     assert part["later_turns"]["sibling_lower"] == ["B64-k1-user100"]
     assert moved_to_pass.failures(view) == [
+        "lookahead hashes: later turns' siblings resume lower: ['B64-k1-user100']",
         "lookahead hashes: 1 cold prompts take a step more",
         "lookahead hashes: later turns take a step more: ['B64-k1-user100']",
     ]
@@ -104,9 +113,8 @@ def test_only_where_the_patched_tree_moves_backends() -> None:
 
 def test_the_committed_newest_release_tables_hold_the_view() -> None:
     """The newest release's split table carries the view derived from its two regimes'
-    tables, and it says what the README does: no step added, no WORSE hit with legacy
-    hashes, and with lookahead hashes none but the block boundary the pass does not
-    keep (16 tokens each)."""
+    tables, and it says what the README does: no step added, no follow-up or sibling
+    resuming lower than unpatched, no EAGLE-specific loss, and steps saved."""
     base = releases.results_dir(REGRESSION_RESULTS, releases.newest())
     reports = {
         regime: json.loads((regress.regime_dir(base, regime) / "regression.json").read_text())
@@ -116,8 +124,7 @@ def test_the_committed_newest_release_tables_hold_the_view() -> None:
     committed = reports["split"]["moved_to_pass"]
     assert committed == moved_to_pass.build(reports)
     assert moved_to_pass.failures(committed) == []
-    assert "WORSE" not in committed["hashings"]["legacy"]["fix_effect"]
-    for worse in committed["hashings"]["lookahead"]["worse"]:
-        assert worse["unpatched"] - worse["patched"] == 16
-        assert worse["unpatched"] % int(worse["case"].split("-")[0][1:]) == 0
+    for part in committed["hashings"].values():
+        assert part["eagle_specific_loss"] == {"cases": 0, "tokens": 0}
+        assert part["cold_steps"]["saved"] > 0
     assert "## Triton, HIP and CPU GDN" in (base / "regression.md").read_text()
