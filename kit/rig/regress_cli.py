@@ -101,8 +101,8 @@ def run(
         failed += [f"[split -> pass] {problem}" for problem in moved_to_pass.failures(view)]
     for regime, report in reports.items():
         where = regress.regime_dir(out, regime)
-        view = report.get("moved_to_pass")
-        sections = moved_to_pass.render(view) if view else []
+        moved = report.get("moved_to_pass")
+        sections = moved_to_pass.render(moved) if moved else []
         bundle.write_regression(where, report, regress.render(report, sections))
         if not quiet:
             print(tabulate(regress.terminal_table(report), headers=regress.table_headers(report)))

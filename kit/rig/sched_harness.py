@@ -614,6 +614,12 @@ class SchedulerRig:
         """Deterministic simulated sample: distinct per position, never EOS."""
         return 3000 + req.num_tokens % 997
 
+    def keyed_positions_of(self, request_id: str, group: int) -> list[int]:
+        """Distinct positions a request keyed through ``cache_partial_block`` in a
+        group, block boundaries included (where the fix exports a boundary's state
+        into a block of its own, it is keyed so: ``partial_entries_of`` leaves it out)."""
+        return sorted({n for rid, g, n in self.partial_entries if rid == request_id and g == group})
+
     def partial_entries_of(self, request_id: str, group: int) -> list[int]:
         """Distinct sub-block positions a request registered in a group."""
         return sorted(

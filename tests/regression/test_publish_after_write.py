@@ -359,7 +359,8 @@ def test_export_blocks_released_at_the_next_allocation_are_deferred(
 
 # A preempted request replays its outputs in one chunk [0, 351) past its
 # 311-token prompt; cold, the prompt exports the fix's states (legacy hashes:
-# 240 and 272).
+# 240 and 272; lookahead hashes: 240 and 288, and where the tree exports it the
+# last block boundary's, 256, keyed as its block's hash).
 REPLAY_GEO = Geometry(128, 16, 1, checkpoints="internal-1")
 REPLAY_PROMPT = list(range(100, 411))
 
@@ -384,7 +385,7 @@ def test_a_replayed_prompt_keeps_the_fix_states(tiny_model_dir, tree_is_patched)
         fix_states |= set(step.fix_positions(a))
         step.forward()
         step.finish(written=step.written())
-    cold = set(rig.partial_entries_of(a.request_id, MAMBA_GROUP))
+    cold = set(rig.keyed_positions_of(a.request_id, MAMBA_GROUP))
     assert fix_states and fix_states <= cold
     assert LOOKAHEAD or fix_states == {240, 272}
     rig.partial_entries.clear()
@@ -395,5 +396,5 @@ def test_a_replayed_prompt_keeps_the_fix_states(tiny_model_dir, tree_is_patched)
         step.forward()
         step.finish(written=step.written())
         first = False
-    replayed = set(rig.partial_entries_of(a.request_id, MAMBA_GROUP))
+    replayed = set(rig.keyed_positions_of(a.request_id, MAMBA_GROUP))
     assert fix_states <= replayed, sorted(replayed)
