@@ -39,13 +39,6 @@ def applies(reports: dict[str, dict]) -> bool:
     )
 
 
-def _eagle_loss(hashing: str, unit: int, ideal: int, hit: int, hit_without_spec: int) -> int:
-    """``regress.eagle_specific_loss`` from a cell's ideal (which carries the lookahead)."""
-    if hashing == "lookahead":
-        return min(hit_without_spec, ideal) - hit
-    return max(hit_without_spec - unit, 0) - hit
-
-
 def _later_turns(before: list[dict], after: list[dict]) -> dict:
     """A later turn's chunk ends and its sibling's hit, unpatched split against
     patched grid (``later_turns.verdicts`` rows of each regime)."""
@@ -89,7 +82,13 @@ def build(reports: dict[str, dict]) -> dict:
             if row["k"]:
                 plain = split_rows[plain_of[row["case"]]][p]["hit"]
                 losses.append(
-                    _eagle_loss(hashing, before["unit"], patched["ideal"], patched["hit"], plain)
+                    regress.loss_beyond_entitlement(
+                        patched["hit"],
+                        plain,
+                        patched["ideal"],
+                        before["unit"],
+                        hashing == "lookahead",
+                    )
                 )
         view["hashings"][hashing] = {
             "cold_steps": dict(steps),

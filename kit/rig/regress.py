@@ -195,9 +195,18 @@ def eagle_specific_loss(
     """
     if not case.eagle:
         return None
+    ideal = lookahead_ideal(case, lookahead)
+    return loss_beyond_entitlement(hit, hit_without_spec, ideal, case.unit, bool(lookahead))
+
+
+def loss_beyond_entitlement(
+    hit: int, hit_without_spec: int, ideal: int, unit: int, lookahead: bool
+) -> int:
+    """``eagle_specific_loss`` of a speculative case, from its ideal (which carries
+    the lookahead) and unit: for a table's cells, whose case is not at hand."""
     if lookahead:
-        return min(hit_without_spec, lookahead_ideal(case, lookahead)) - hit
-    return max(hit_without_spec - case.unit, 0) - hit
+        return min(hit_without_spec, ideal) - hit
+    return max(hit_without_spec - unit, 0) - hit
 
 
 def without_speculation() -> dict[str, str]:
