@@ -1,11 +1,12 @@
-"""The fix as a Triton, HIP or CPU GDN user meets it: the split path before, the pass after.
+"""The fix as a user of a GDN backend it moves into the pass meets it: split before, pass after.
 
 ``make regress`` compares the trees within one checkpoint regime. On a backend
-whose prefill exports nothing from the pass (Triton/FLA, HIP, CPU GDN), the
-unpatched tree runs the split path; with ``MOVES_INTO_PASS`` in the patched tree,
-the fix switched on and EAGLE/MTP, the same backend exports every kept state on
-the 64-token grid instead. Without speculation the patched tree stays split (the
-mod's gate), so a k = 0 case is patched split against unpatched split.
+whose prefill exports nothing from the pass (Triton/FLA, HIP, CuteDSL, AITER
+FlyDSL, CPU GDN), the unpatched tree runs the split path; with
+``MOVES_INTO_PASS`` in the patched tree, the fix switched on and EAGLE/MTP, the
+same backend exports every kept state on the 64-token grid instead. Without
+speculation the patched tree stays split (the mod's gate), so a k = 0 case is
+patched split against unpatched split.
 
 ``build`` pairs the measurements ``make regress`` already made: the unpatched
 tree's split rows against the patched tree's internal-grid rows (k > 0) or split
@@ -26,7 +27,8 @@ from collections import Counter
 
 from kit.rig import regress
 
-# The mod that moves Triton, HIP and CPU GDN from the split path into the pass.
+# The mod that moves Triton, HIP, CuteDSL, AITER FlyDSL and CPU GDN from the split
+# path into the pass.
 MOVES_INTO_PASS = "fix-eagle-fine-prefix-exports"
 BEFORE, AFTER = "split", "internal-grid"
 
@@ -124,7 +126,8 @@ def failures(view: dict) -> list[str]:
 def render(view: dict) -> list[str]:
     """The view as a Markdown section."""
     lines = [
-        "## Triton, HIP and CPU GDN: unpatched on the split path, patched in the pass",
+        "## Triton, HIP, CuteDSL, AITER FlyDSL and CPU GDN: unpatched on the split path, "
+        "patched in the pass",
         "",
         f"With `{MOVES_INTO_PASS}`, the fix on and EAGLE/MTP, these backends export every "
         f"kept state from the pass; unpatched they run the split path. Unpatched `{BEFORE}` "

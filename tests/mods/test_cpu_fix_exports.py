@@ -133,16 +133,19 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
     result: dict = {}
 
     # Who takes the grid: the layer's own condition, as the CPU resolves its
-    # backend ("triton") and as HIP's is resolved on ROCm.
+    # backend ("triton"), and as a GPU platform resolves another (HIP on ROCm,
+    # CuteDSL on CUDA, AITER FlyDSL on ROCm, Triton or the fused SYCL op on XPU).
     probes = itertools.count(1)
 
-    def alignment(fix: bool, has_triton: bool, hip: bool = False) -> int | None:
+    def alignment(
+        fix: bool, has_triton: bool, backend: str | None = None, platform_is: str = "cuda_alike"
+    ) -> int | None:
         config.cache_config.enable_mamba_eagle_predecessor_checkpoint = fix
         gdn_layer.HAS_TRITON = has_triton
         resolve, platform = gdn_layer._resolve_gdn_prefill_backend, gdn_layer.current_platform
-        if hip:
-            gdn_layer._resolve_gdn_prefill_backend = lambda vllm_config: ("auto", "hip")
-            platform.is_cuda_alike = lambda: True
+        if backend:
+            gdn_layer._resolve_gdn_prefill_backend = lambda vllm_config: ("auto", backend)
+            setattr(platform, f"is_{platform_is}", lambda: True)
         try:
             # Each layer registers under its own name (one layer index each).
             probe = f"model.layers.{next(probes)}.linear_attn"
@@ -152,15 +155,21 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
             # where every Mamba layer declares them.
             del config.compilation_config.static_forward_context[probe]
             gdn_layer._resolve_gdn_prefill_backend = resolve
-            if hip:
-                del platform.is_cuda_alike
+            if backend:
+                delattr(platform, f"is_{platform_is}")
 
     result["alignment"] = {
         "cpu": alignment(True, True),
         "cpu, fix off": alignment(False, True),
         "cpu without triton": alignment(True, False),
-        "hip": alignment(True, True, hip=True),
-        "hip, fix off": alignment(False, True, hip=True),
+        "hip": alignment(True, True, "hip"),
+        "hip, fix off": alignment(False, True, "hip"),
+        "cutedsl": alignment(True, True, "cutedsl"),
+        "aiter_flydsl": alignment(True, True, "aiter_flydsl"),
+        "aiter_flydsl, fix off": alignment(False, True, "aiter_flydsl"),
+        # Without the CPU's own clause (HAS_TRITON off), XPU's alone decides.
+        "xpu triton": alignment(True, False, "triton", "xpu"),
+        "xpu sycl": alignment(True, False, "sycl", "xpu"),
     }
     config.cache_config.enable_mamba_eagle_predecessor_checkpoint = True
     gdn_layer.HAS_TRITON = True
@@ -355,13 +364,19 @@ def test_the_layer_takes_the_grid_only_for_the_fix_where_it_can_export(cpu_run) 
     """vLLM's layer, built on the CPU: the 64-token grid (and the fix's extra exports
     in its spec) with the fix switched on and MTP, where Triton runs the exporter;
     not with the fix off, nor on a CPU without Triton (which takes no draft
-    tokens). The same condition names HIP's backend."""
+    tokens). The same condition names HIP's, CuteDSL's and AITER FlyDSL's
+    backends and XPU's Triton route, not XPU's fused SYCL op."""
     assert cpu_run["alignment"] == {
         "cpu": GRID,
         "cpu, fix off": None,
         "cpu without triton": None,
         "hip": GRID,
         "hip, fix off": None,
+        "cutedsl": GRID,
+        "aiter_flydsl": GRID,
+        "aiter_flydsl, fix off": None,
+        "xpu triton": GRID,
+        "xpu sycl": None,
     }
     assert cpu_run["spec"] == {
         "alignment": GRID,

@@ -1,6 +1,6 @@
-"""Internal checkpoints on vLLM 0.34.0's HIP GDN path (mod
-``fix-eagle-fine-prefix-exports``), checked on the CPU with vLLM's own builder
-and layer code.
+"""Internal checkpoints on vLLM 0.34.0's HIP, CuteDSL and AITER FlyDSL GDN paths
+(mod ``fix-eagle-fine-prefix-exports``), checked on the CPU with vLLM's own
+builder and layer code.
 
 Strix Halo (gfx1151) prefills GDN with one fused HIP kernel that keeps no
 state but the final one, so stock 0.34.0 ends a chunk at every state the fix
@@ -21,6 +21,17 @@ output token the split path's; both near a float64 recurrence over the
 unsplit row. Not run here: the HIP kernel itself (it needs a gfx115x GPU) and
 the exporter's block writes (``test_flashinfer_fix_exports.py`` runs those on
 the same plan layout).
+
+CuteDSL (opt-in, SM100/110) and AITER FlyDSL (gfx942/950) keep no state but the
+final one either, and take varlen metadata besides ``cu_seqlens``: CuteDSL FLA's
+chunk table (``prepare_metadata_cutedsl``), AITER its own
+(``build_gdn_flydsl_prefill_metadata``). The builder makes it per round of
+pieces. Here the same builder resolving each plans the same pieces, and the
+layer's own ``forward_cutedsl`` / ``forward_aiter_flydsl`` run them through
+stand-ins of the metadata builders and kernels that lay out the rows from that
+metadata, as the kernels do: every export and output is the split path's bit
+for bit, and the first round's metadata reused for every round breaks it. Not
+run here: those kernels and builders (CUTLASS's DSL and AITER need their GPUs).
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ EXPORTS = {
     1: [(512, 1001), (448, 1002), (500, 1003)],
     2: [(828, 1011), (956, 1012), (896, 1013)],
 }
+# Backends that take varlen metadata per round of pieces, beside HIP.
+METADATA_BACKENDS = ("cutedsl", "aiter_flydsl")
+CHUNK = 64  # FLA's chunk, CuteDSL's and AITER's K5 recurrence's
 
 
 def _on_tree(model_dir: Path, out: Path) -> None:
@@ -77,13 +91,18 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         prefill_checkpoint_extra_exports=True,
     )
     common = batch_metadata(ROWS, EXPORTS, COLS)
-    # The CPU resolves Triton; the builder asks the layer module which backend.
-    resolve = layer._resolve_gdn_prefill_backend
-    layer._resolve_gdn_prefill_backend = lambda vllm_config: ("auto", "hip")
-    try:
-        builder = GDNAttentionMetadataBuilder(spec, ["layer"], config, torch.device("cpu"))
-    finally:
-        layer._resolve_gdn_prefill_backend = resolve
+    _install_stand_ins()
+
+    def build(backend: str):  # noqa: ANN202 - the builder, on the tree
+        # The CPU resolves Triton; the builder asks the layer module which backend.
+        resolve = layer._resolve_gdn_prefill_backend
+        layer._resolve_gdn_prefill_backend = lambda vllm_config: ("auto", backend)
+        try:
+            return GDNAttentionMetadataBuilder(spec, ["layer"], config, torch.device("cpu"))
+        finally:
+            layer._resolve_gdn_prefill_backend = resolve
+
+    builder = build("hip")
     md = builder.build(0, common)
     plan = md.flashinfer_checkpoint_plan
     pieces = plan.pieces
@@ -122,7 +141,178 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         name: _run(layer, md, exports, torch.float32, pieces=mutant)
         for name, mutant in _mutations(pieces, total).items()
     }
+    result["cu_seqlens_dtype"] = str(pieces.cu_seqlens.dtype)
+    result["metadata_backends"] = {
+        backend: _metadata_backend(layer, build(backend), common, result)
+        for backend in METADATA_BACKENDS
+    }
     (out / "plan.json").write_text(json.dumps(result, indent=1))
+
+
+def _pieces_layout(pieces) -> dict:  # noqa: ANN001
+    return {
+        "token_bounds": pieces.token_bounds,
+        "state_bounds": pieces.state_bounds,
+        "cu_seqlens": pieces.cu_seqlens.tolist(),
+        "sources": pieces.sources.tolist(),
+        "sequences": pieces.sequences.tolist(),
+        "finals": pieces.finals.tolist(),
+    }
+
+
+def _metadata_backend(layer, builder, common, hip: dict) -> dict:  # noqa: ANN001
+    """CuteDSL or AITER FlyDSL: the builder's plan against HIP's, the metadata it
+    makes per round, and the pieces through the layer's own forward method (its
+    metadata builder and kernel stood in for), also with stale metadata."""
+    import dataclasses
+
+    import torch
+
+    md = builder.build(0, common)
+    plan = md.flashinfer_checkpoint_plan
+    pieces = plan.pieces
+    exports = export_rows(plan.export_query_starts, plan.exports, plan.rows)
+    forward = _forward_method(layer, builder.gdn_prefill_backend)
+    stale = dataclasses.replace(
+        pieces, kernel_args=[pieces.kernel_args[0]] * len(pieces.kernel_args)
+    )
+    return {
+        "backend": builder.gdn_prefill_backend,
+        "plans": builder.plan_flashinfer_checkpoints,
+        "tails": plan.tails is not None,
+        "same_plan_as_hip": _pieces_layout(pieces) == hip["pieces"]
+        and exports == hip["exports"]
+        and plan.num_checkpoints == hip["num_checkpoints"],
+        "cu_seqlens_dtype": str(pieces.cu_seqlens.dtype),
+        "rounds": [_described(args) for args in pieces.kernel_args],
+        "layer": {
+            str(dtype).removeprefix("torch."): _run(
+                layer, md, exports, dtype, via_layer=True, prefill=forward
+            )
+            for dtype in (torch.float32, torch.bfloat16)
+        },
+        "stale": _stale(layer, md, exports, stale, forward),
+    }
+
+
+def _stale(layer, md, exports, pieces, forward) -> dict:  # noqa: ANN001
+    """The pieces with stale metadata: later rounds have fewer sequences than the
+    first round's metadata names, so the kernel reaches past their states."""
+    import torch
+
+    try:
+        return _run(layer, md, exports, torch.float32, pieces=pieces, prefill=forward)
+    except IndexError as exc:
+        return {"error": f"IndexError: {exc}"}
+
+
+def _forward_method(layer, backend: str):  # noqa: ANN001, ANN202
+    """vLLM's ``ChunkGatedDeltaRule.forward_cutedsl`` or ``forward_aiter_flydsl``
+    (neither reads ``self``), as ``_forward_pieces_prefill`` reaches it."""
+    import functools
+
+    method = {
+        "cutedsl": layer.ChunkGatedDeltaRule.forward_cutedsl,
+        "aiter_flydsl": layer.ChunkGatedDeltaRule.forward_aiter_flydsl,
+    }[backend]
+    return functools.partial(method, None)
+
+
+def _described(args: dict) -> dict:
+    """A round's kernel arguments as the test reads them: CuteDSL's chunk table
+    (its used rows) and offsets, or AITER's sequence lengths."""
+    if "aiter_prefill_metadata" in args:
+        return {"aiter_seq_lens": args["aiter_prefill_metadata"].seq_lens}
+    offsets = args["chunk_offsets"]
+    return {
+        "chunk_offsets": offsets.tolist(),
+        "chunk_indices": args["chunk_indices"][: int(offsets[-1])].tolist(),
+        "dtypes": [str(args["chunk_indices"].dtype), str(offsets.dtype)],
+    }
+
+
+def _chunk_rows(lengths: list[int]) -> list[tuple[int, int]]:
+    """(sequence, chunk) for every CHUNK-token chunk of sequences this long."""
+    return [(n, i) for n, length in enumerate(lengths) for i in range(-(-length // CHUNK))]
+
+
+def _lengths(cu_seqlens: list[int]) -> list[int]:
+    return [b - a for a, b in itertools.pairwise(cu_seqlens)]
+
+
+def _install_stand_ins() -> None:
+    """CuteDSL's module and AITER's two entry points, replaced by stand-ins that
+    keep their contracts on the CPU: the metadata a kernel lays its rows out by,
+    and kernels that lay them out by it (so stale metadata gives other states),
+    each chunk through ``_kernel``'s recurrence."""
+    import types
+
+    import torch
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    def prepare_metadata_cutedsl(cu_seqlens, total_tokens, chunk_size=CHUNK):  # noqa: ANN001, ANN202
+        # int32 (sequence, chunk) rows, as many as the kernel's upper bound from
+        # total_tokens, and cumulative chunk counts per sequence.
+        assert chunk_size == CHUNK
+        lengths = _lengths(cu_seqlens.tolist())
+        n = len(lengths)
+        upper = (n - 1) + -(-(total_tokens - (n - 1)) // CHUNK)
+        rows = _chunk_rows(lengths)[:upper]
+        indices = torch.full((upper, 2), -1, dtype=torch.int32)
+        indices[: len(rows)] = torch.tensor(rows, dtype=torch.int32).view(-1, 2)
+        counts = [-(-length // CHUNK) for length in lengths]
+        offsets = torch.tensor(list(itertools.accumulate(counts, initial=0)), dtype=torch.int32)
+        return indices, offsets
+
+    def chunk_gated_delta_rule_cutedsl(**kw):  # noqa: ANN003, ANN202
+        cu_seqlens = kw["cu_seqlens"]
+        if cu_seqlens.dtype != torch.int32:
+            raise TypeError(f"CuteDSL is compiled for int32 cu_seqlens, not {cu_seqlens.dtype}")
+        assert kw.get("core_attn_out") is None  # the pieces take the output back
+        rows = kw["chunk_indices"][: int(kw["chunk_offsets"][-1])].tolist()
+        return _chunked(kw, cu_seqlens.tolist(), rows)
+
+    module = types.ModuleType("vllm.model_executor.layers.mamba.ops.gdn_chunk_cutedsl")
+    module.prepare_metadata_cutedsl = prepare_metadata_cutedsl
+    module.chunk_gated_delta_rule_cutedsl = chunk_gated_delta_rule_cutedsl
+    sys.modules[module.__name__] = module
+
+    def build_gdn_flydsl_prefill_metadata(seq_lens_cpu, cu_seqlens):  # noqa: ANN001, ANN202
+        return types.SimpleNamespace(seq_lens=list(seq_lens_cpu), cu_seqlens=cu_seqlens)
+
+    def gdn_flydsl_prefill(**kw):  # noqa: ANN003, ANN202
+        assert kw["output_final_state"] and not kw["use_qk_l2norm_in_kernel"]
+        # The varlen layout is the metadata's, built once per batch (or round).
+        seq_lens = kw["aiter_prefill_metadata"].seq_lens
+        bounds = list(itertools.accumulate(seq_lens, initial=0))
+        return _chunked(kw, bounds, _chunk_rows(seq_lens))
+
+    rocm_aiter_ops.build_gdn_flydsl_prefill_metadata = build_gdn_flydsl_prefill_metadata
+    rocm_aiter_ops.gdn_flydsl_prefill = gdn_flydsl_prefill
+
+
+def _chunked(kw: dict, bounds: list[int], rows: list) -> tuple:
+    """A chunked kernel's contract over the inputs in ``kw`` (q, k, v, g, beta,
+    initial_state): ``rows`` (sequence, chunk) in order, each chunk the recurrence
+    over its CHUNK tokens of ``bounds``' sequence from where the previous chunk
+    left it; float32 final states. A layout past the batch's tokens, or a
+    sequence beyond its states (stale metadata), is an IndexError."""
+    import torch
+
+    inputs = tuple(kw[name] for name in ("q", "k", "v", "g", "beta"))
+    if bounds[-1] > inputs[0].shape[1]:
+        raise IndexError(f"the layout's {bounds[-1]} tokens run past the batch's")
+    initial_state = kw["initial_state"]
+    out = torch.zeros_like(kw["v"])
+    states = [initial_state[n].float() for n in range(initial_state.shape[0])]
+    for n, i in rows:
+        a = bounds[n] + i * CHUNK
+        b = min(a + CHUNK, bounds[n + 1])
+        if b <= a:  # a chunk past its sequence's end (stale metadata) reads nothing
+            continue
+        o, states[n] = _row_recurrence(inputs, a, b, states[n], torch.float32)
+        out[0, a:b] = o.to(out.dtype)
+    return out, torch.stack(states)
 
 
 def _recurrence(q, k, v, g, beta, h):  # noqa: ANN001, ANN202 - tensors, on the tree
@@ -174,20 +364,22 @@ def _inputs(total: int, rows: int, dtype):  # noqa: ANN001, ANN202
     return q.to(half), k.to(half), v.to(half), g, beta.to(half), h0
 
 
-def _through_layer(layer, md, inputs, h0):  # noqa: ANN001, ANN202
+def _through_layer(layer, md, inputs, h0, prefill=None):  # noqa: ANN001, ANN202
     """The layer's own ``_forward_pieces_prefill`` and ``_export_checkpoints`` on
-    the plan, the HIP kernel replaced by ``_kernel`` and vLLM's exporter by one
-    that records what it is handed: the output, the final states, and per export
-    (its start, offset and row) the state it would store."""
+    the plan, the prefill op being ``prefill`` (default: the HIP kernel replaced
+    by ``_kernel``) and vLLM's exporter one that records what it is handed: the
+    output, the final states, and per export (its start, offset and row) the
+    state it would store."""
     import functools
     from types import SimpleNamespace
 
     import torch
 
-    def chunk_gated_delta_rule(*, output_final_state, use_qk_l2norm_in_kernel, **kw):  # noqa: ANN001, ANN202
+    def hip(*, output_final_state, use_qk_l2norm_in_kernel, **kw):  # noqa: ANN001, ANN202
         assert output_final_state and not use_qk_l2norm_in_kernel
         return _kernel(**kw)
 
+    chunk_gated_delta_rule = prefill or hip
     handed: dict = {}
     fake = SimpleNamespace(
         chunk_gated_delta_rule=chunk_gated_delta_rule,
@@ -211,9 +403,12 @@ def _through_layer(layer, md, inputs, h0):  # noqa: ANN001, ANN202
     return out, finals, handed["recurrent_checkpoint"], exported
 
 
-def _run(layer, md, exports, dtype, pieces=None, via_layer=False) -> dict:  # noqa: ANN001
+def _run(layer, md, exports, dtype, pieces=None, via_layer=False, prefill=None) -> dict:  # noqa: ANN001
     """The plan's pieces through ``run_prefill_pieces`` (or the layer's methods
-    around it), against the split path."""
+    around it), the prefill being ``prefill`` (as the layer calls it) or the HIP
+    stand-in, against the split path."""
+    import functools
+
     import torch
 
     qsl = md.prefill_query_start_loc.tolist()
@@ -223,9 +418,14 @@ def _run(layer, md, exports, dtype, pieces=None, via_layer=False) -> dict:  # no
             h0[n] = 0
     plan = md.flashinfer_checkpoint_plan
     if via_layer:
-        out, finals, states, exports = _through_layer(layer, md, (q, k, v, g, beta), h0)
+        out, finals, states, exports = _through_layer(layer, md, (q, k, v, g, beta), h0, prefill)
     else:
-        out, states = layer.run_prefill_pieces(pieces or plan.pieces, q, k, v, g, beta, h0, _kernel)
+        kernel = _kernel
+        if prefill is not None:
+            kernel = functools.partial(
+                prefill, output_final_state=True, use_qk_l2norm_in_kernel=False
+            )
+        out, states = layer.run_prefill_pieces(pieces or plan.pieces, q, k, v, g, beta, h0, kernel)
         finals = states[plan.pieces.finals]
     # The split path: engine step by engine step, each row's chunk ending at its
     # next kept state, the state stored in the cache's dtype in between.
@@ -385,6 +585,67 @@ def test_the_layer_hands_the_exporter_the_split_paths_states(plan) -> None:  # n
     assert len(got["exports"]) == 7
     assert all(check["split_bitwise"] for check in got["exports"]), got["exports"]
     assert got["output_split_bitwise"] and got["finals_split_bitwise"]
+
+
+def test_the_pieces_run_in_int32_cu_seqlens(plan) -> None:  # noqa: ANN001
+    """Every backend's pieces take int32 ``cu_seqlens``, as each prefill kernel
+    takes the batch's ``query_start_loc`` (CuteDSL is compiled for nothing else)."""
+    assert plan["cu_seqlens_dtype"] == "torch.int32"
+    for backend in METADATA_BACKENDS:
+        assert plan["metadata_backends"][backend]["cu_seqlens_dtype"] == "torch.int32"
+
+
+@pytest.mark.parametrize("backend", METADATA_BACKENDS)
+def test_cutedsl_and_aiter_plan_hips_pieces(plan, backend: str) -> None:  # noqa: ANN001
+    """Resolving CuteDSL or AITER FlyDSL, the builder plans the batch exactly as on
+    HIP: the same pieces, rows and exports, no tails."""
+    got = plan["metadata_backends"][backend]
+    assert (got["backend"], got["plans"], got["tails"]) == (backend, True, False)
+    assert got["same_plan_as_hip"]
+
+
+def test_each_round_gets_its_own_varlen_metadata(plan) -> None:  # noqa: ANN001
+    """CuteDSL's chunk table and AITER's varlen metadata, made per round from that
+    round's pieces (HIP's literal rounds: 448|128|130, 52|68, 12|60, 64|44, 24)."""
+    lengths = [[448, 128, 130], [52, 68], [12, 60], [64, 44], [24]]
+    aiter = plan["metadata_backends"]["aiter_flydsl"]["rounds"]
+    assert [r["aiter_seq_lens"] for r in aiter] == lengths
+    cutedsl = plan["metadata_backends"]["cutedsl"]["rounds"]
+    assert cutedsl[0] == {
+        "chunk_offsets": [0, 7, 9, 12],
+        "chunk_indices": [[0, i] for i in range(7)] + [[1, 0], [1, 1]] + [[2, i] for i in range(3)],
+        "dtypes": ["torch.int32", "torch.int32"],
+    }
+    assert [r["chunk_offsets"] for r in cutedsl[1:]] == [[0, 1, 3], [0, 1, 2], [0, 1, 2], [0, 1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", METADATA_BACKENDS)
+def test_cutedsl_and_aiter_layers_export_the_split_paths_states(plan, backend, dtype) -> None:  # noqa: ANN001
+    """vLLM's ``forward_cutedsl`` / ``forward_aiter_flydsl`` under the layer's
+    ``_forward_pieces_prefill``: every export the split path's state, output and
+    final states the split path's, bit for bit, also through a bfloat16 cache."""
+    got = plan["metadata_backends"][backend]["layer"][dtype]
+    assert len(got["exports"]) == 7
+    for check in got["exports"]:
+        assert check["split_bitwise"], check
+        assert check["reference_rel"] < (1e-5 if dtype == "float32" else 0.02), check
+    assert got["output_split_bitwise"] and got["finals_split_bitwise"]
+
+
+@pytest.mark.parametrize("backend", METADATA_BACKENDS)
+def test_stale_round_metadata_fails(plan, backend: str) -> None:  # noqa: ANN001
+    """The first round's metadata reused for every round lays the later rounds'
+    rows out wrong: round 1 runs 120 tokens of two sequences, the metadata
+    names three (AITER's: 706 tokens), and the kernel reaches past them."""
+    stale = plan["metadata_backends"][backend]["stale"]
+    assert (
+        stale["error"]
+        == {
+            "cutedsl": "IndexError: list index out of range",
+            "aiter_flydsl": "IndexError: the layout's 706 tokens run past the batch's",
+        }[backend]
+    )
 
 
 @pytest.mark.parametrize("mutant", ["unchained", "shifted"])
