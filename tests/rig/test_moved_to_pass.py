@@ -1,7 +1,7 @@
 """The split-to-pass view of ``make regress`` (kit/rig/moved_to_pass.py): what a
-Triton, HIP or CPU GDN user meets when the fix moves the backend into the pass.
-No scheduler needed: hand-made reports for the rules, the committed newest-release
-tables for what the README states."""
+Triton, HIP, CuteDSL, AITER FlyDSL or CPU GDN user meets when the fix moves the
+backend into the pass. No scheduler needed: hand-made reports for the rules, the
+committed newest-release tables for what the README states."""
 
 from __future__ import annotations
 

@@ -226,10 +226,11 @@ def test_a_kept_state_costs_no_step_where_the_layer_exports_it(release_table: di
 
 
 def test_the_split_to_pass_view_is_the_committed_one(release_table: dict) -> None:
-    """Where the patched tree moves Triton, HIP and CPU GDN into the pass, the
-    freshly measured split table pairs unpatched split with patched grid as the
-    committed table does (what the README and docs/results.md quote), and no
-    cold prompt or later turn takes a step more there."""
+    """Where the patched tree moves a GDN backend (Triton, HIP, CuteDSL, AITER
+    FlyDSL, CPU) into the pass, the freshly measured split table pairs unpatched
+    split with patched grid as the committed table does (what the README and
+    docs/results.md quote), and no cold prompt or later turn takes a step more
+    there."""
     version = release_table["vllm_version"]
     committed = json.loads(
         (releases.results_dir(REGRESSION_RESULTS, version) / "regression.json").read_text()
