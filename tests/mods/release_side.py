@@ -26,6 +26,30 @@ def run_on_tree(script: str, tree: trees.Tree, *args: str, timeout: int = 600) -
     assert run.returncode == 0, run.stderr[-4000:]
 
 
+def suite_outcomes(suite: str, tree: str, report: Path, timeout: int = 900) -> dict[str, str]:
+    """Test name -> passed | failed | skipped | xfailed, for the kit's ``suite`` run
+    on ``tree`` (``KIT_TREE``, e.g. ``0.34.0/patched``); its JUnit report at ``report``."""
+    import xml.etree.ElementTree as ET
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", suite]
+    cmd += [f"--junitxml={report}"]
+    env = {**os.environ, "KIT_TREE": tree}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert report.exists(), done.stdout[-2000:] + done.stderr[-2000:]
+    result: dict[str, str] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        if "failure" in kinds or "error" in kinds:
+            result[case.get("name", "")] = "failed"
+        elif "skipped" in kinds:
+            skipped = case.find("skipped")
+            xfail = skipped is not None and skipped.get("type") == "pytest.xfail"
+            result[case.get("name", "")] = "xfailed" if xfail else "skipped"
+        else:
+            result[case.get("name", "")] = "passed"
+    return result
+
+
 def run_interpreted(triton_env: Path, code: str, *args: str, timeout: int = 600) -> None:
     """``code`` in .venv-triton under Triton's interpreter, nothing of the kit's
     .venv or trees on its path; fails with its stderr."""

@@ -15,41 +15,20 @@ host; the images run tests/regression with the network cut off.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
 import pytest
+
+from tests.mods.release_side import RELEASE, suite_outcomes
 
 pytestmark = pytest.mark.cpu
 
-ROOT = Path(__file__).resolve().parents[2]
 SUITE = "tests/regression/test_publish_after_write.py"
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Test name -> passed | failed | skipped | xfailed, on 0.34.0's patched tree."""
-    report = tmp_path_factory.mktemp("publish-0.34.0") / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", SUITE]
-    cmd += [f"--junitxml={report}"]
-    env = {**os.environ, "KIT_TREE": "0.34.0/patched"}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert report.exists(), done.stdout[-2000:] + done.stderr[-2000:]
-    result: dict[str, str] = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        if "failure" in kinds or "error" in kinds:
-            result[case.get("name", "")] = "failed"
-        elif "skipped" in kinds:
-            skipped = case.find("skipped")
-            xfail = skipped is not None and skipped.get("type") == "pytest.xfail"
-            result[case.get("name", "")] = "xfailed" if xfail else "skipped"
-        else:
-            result[case.get("name", "")] = "passed"
-    return result
+    report = tmp_path_factory.mktemp(f"publish-{RELEASE}") / "junit.xml"
+    return suite_outcomes(SUITE, f"{RELEASE}/patched", report)
 
 
 def test_the_suite_ran_on_the_release_tree(outcomes: dict[str, str]) -> None:
