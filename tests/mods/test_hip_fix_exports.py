@@ -115,14 +115,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         "prefill_query_start_loc": md.prefill_query_start_loc.tolist(),
         "num_decode_tokens": md.num_decode_tokens,
         "exports": exports,
-        "pieces": {
-            "token_bounds": pieces.token_bounds,
-            "state_bounds": pieces.state_bounds,
-            "cu_seqlens": pieces.cu_seqlens.tolist(),
-            "sources": pieces.sources.tolist(),
-            "sequences": pieces.sequences.tolist(),
-            "finals": pieces.finals.tolist(),
-        },
+        "pieces": _pieces_layout(pieces),
         # Literal layouts of the planner alone.
         "literal": plan_prefill_pieces([0, 64, 0], [100, 200], [[], [32, 90], [99]]),
     }
@@ -150,6 +143,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
 
 
 def _pieces_layout(pieces) -> dict:  # noqa: ANN001
+    """A plan's pieces as host lists."""
     return {
         "token_bounds": pieces.token_bounds,
         "state_bounds": pieces.state_bounds,
