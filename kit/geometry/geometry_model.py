@@ -245,7 +245,8 @@ class Checkpoints:
         return tuple(p for p in (*self.extra(), self.boundary) if p)
 
 
-def _checkpoints(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
+def checkpoints_of(case: Case, patched: bool, lookahead: int = 0) -> Checkpoints:
+    """Where producer A keeps Mamba states on the ``patched`` or unpatched tree."""
     n, b, h = case.producer_len, case.block, case.unit
     tail = checkpoint_position(n, case, lookahead)
     if not case.eagle:
@@ -383,7 +384,7 @@ def producer_prefill(
     """
     n, b = case.producer_len, case.block
     lookahead = lookahead if case.eagle else 0
-    cp = _checkpoints(case, patched, lookahead)
+    cp = checkpoints_of(case, patched, lookahead)
     skips = resumed_fix_skips(case, cp, resume) if patched else set()
     stops = [cp.last_block]
     stops += [p for p in (cp.tail,) if cp.last_block < p < n]
@@ -454,7 +455,7 @@ def producer_prefill(
 
 def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
     n, h = case.producer_len, case.unit
-    cp = _checkpoints(case, patched, lookahead)
+    cp = checkpoints_of(case, patched, lookahead)
     # EAGLE keeps the unit its drop removes; with lookahead hashes a unit is
     # hashed only once its lookahead tokens exist (the Mamba tail itself).
     tail = n // h * h if case.eagle and not lookahead else cp.tail
@@ -490,7 +491,7 @@ def _producer_states(
     b = case.block
     prefill = producer_prefill(case, patched, lookahead, resume, junction)
     ends = prefill.ends
-    cp = _checkpoints(case, patched, lookahead)
+    cp = checkpoints_of(case, patched, lookahead)
     exported = set(prefill.kept_exports)
     mamba_partials = tuple(
         sorted(
