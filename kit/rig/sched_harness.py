@@ -45,7 +45,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kit.geometry.geometry_cases import prompts
-from kit.geometry.geometry_model import Case, Geometry
+from kit.geometry.geometry_model import UNIT, Case, Geometry
 from kit.vllm_tree import mods
 
 FULL_GROUP = 0
@@ -150,15 +150,29 @@ def tree_writes_extra_exports() -> bool:
     return "extra_exports" in {f.name for f in dataclasses.fields(MambaPrefillCheckpointMetadata)}
 
 
+# Cold prompts whose one chunk runs past their last cacheable block boundary:
+# (prompt tokens, block, that boundary), in blocks below, at and above the grid.
+BOUNDARY_PROBES = ((584, 384, 384), (230, 64, 192), (2200, 2144, 2144), (1100, 528, 1056))
+
+
 def tree_exports_block_boundary() -> bool:
     """Whether this tree's fix also exports the last cacheable block boundary where a
-    chunk runs past it (0.34.0's lookahead port), asked of its own export rule on one
-    prompt: 584 tokens in 384-token blocks, whose last boundary is 384."""
+    chunk runs past it (0.34.0's lookahead port), asked of its own export rule on the
+    prompts of ``BOUNDARY_PROBES``. The geometry model has one flag for it, so a tree
+    that exports it on some of them and not on others is refused, not misread."""
     from vllm.v1 import kv_cache_interface
 
     rule = getattr(kv_cache_interface, "get_mamba_eagle_fix_exports", None)
+    if rule is None:
+        return False
     # Positional: the pinned release's rule takes no lookahead argument.
-    return rule is not None and 384 in rule(0, 584, 584, 384, 16, False, 64)
+    answers = {b in rule(0, n, n, block, UNIT, False, 64) for n, block, b in BOUNDARY_PROBES}
+    if len(answers) > 1:
+        raise RuntimeError(
+            "this tree's fix exports the last block boundary for some prompts only "
+            f"({BOUNDARY_PROBES}); the geometry model cannot describe it"
+        )
+    return answers.pop()
 
 
 def extra_exports(geo: Geometry) -> dict[str, bool]:
