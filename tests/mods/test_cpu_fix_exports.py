@@ -57,17 +57,19 @@ BATCHES = {
 
 
 def compiled_ops() -> Path:
-    """The pinned wheel's CPU kernel library, chosen as its platform chooses it."""
-    import torch
-    import vllm
+    """The pinned wheel's CPU kernel library: the one its own platform loads
+    (``CpuPlatform.import_kernels`` picks it by the CPU's instruction sets), read
+    back from the libraries this process has mapped."""
+    from vllm.platforms.cpu import CpuPlatform
 
-    if not torch.cpu._is_avx512_supported():
-        name = "_C_AVX2.abi3.so"
-    elif torch.cpu._is_avx512_bf16_supported():
-        name = "_C.abi3.so"
-    else:
-        name = "_C_AVX512.abi3.so"
-    return Path(vllm.__file__).parent / name
+    CpuPlatform.import_kernels()
+    mapped = {
+        Path(line.split()[-1])
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if line.endswith(".so") and "/vllm/_C" in line
+    }
+    assert len(mapped) == 1, mapped
+    return mapped.pop()
 
 
 def _layer(gdn_layer, config, seed: int, prefix: str = PREFIX):  # noqa: ANN001, ANN202
