@@ -28,8 +28,7 @@ UNIT = 16
 # at any offset (Mamba2's ``mamba_mixer2.py``: alignment 1); "internal-grid": the
 # same on a grid (0.34.0's Qwen GDN on FlashInfer, and on Triton/FLA, HIP,
 # CuteDSL, AITER FlyDSL and the CPU with fix-eagle-fine-prefix-exports:
-# alignment lcm(H, 64),
-# ``get_mamba_prefill_checkpoint_grid``).
+# alignment lcm(H, 64), ``get_mamba_prefill_checkpoint_grid``).
 REGIMES = ("split", "internal-1", "internal-grid")
 # FlashInfer's GDN prefill exports states every 64 tokens.
 FLASHINFER_GDN_CHUNK = 64
