@@ -432,7 +432,7 @@ class BuildahEngine(_Engine):
         )
         self.holders[name] = holder
         deadline = time.monotonic() + 10
-        while _loopback_down(holder.pid):
+        while not _isolated_loopback_up(holder.pid):
             if holder.poll() is not None or time.monotonic() > deadline:
                 self._stop_holder(name)
                 raise EngineUnavailable(
@@ -473,16 +473,23 @@ class BuildahEngine(_Engine):
             self._stop_holder(name)
 
 
-def _loopback_down(pid: int) -> bool:
+def _isolated_loopback_up(pid: int) -> bool:
+    """Whether ``pid`` has a network namespace of its own with its loopback up.
+
+    Until ``unshare`` has run, the holder is still in ours, whose loopback is up
+    as well: a container that joined it then would run on the host's network
+    (and one on the namespace would not reach it)."""
     try:
-        flags = subprocess.run(
+        if os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            return False
+        state = subprocess.run(
             ["nsenter", f"--net=/proc/{pid}/ns/net", "cat", "/sys/class/net/lo/operstate"],
             capture_output=True,
             text=True,
         ).stdout.strip()
     except OSError:
-        return True
-    return flags not in ("up", "unknown")
+        return False
+    return state in ("up", "unknown")
 
 
 def engine_for(kind: str, target: str) -> _Engine:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -11,6 +12,7 @@ from kit.images.containers import (
     BuildahEngine,
     DockerEngine,
     EngineUnavailable,
+    _isolated_loopback_up,
     host_gids,
 )
 from tests.netprobe import PROBE, host_listener
@@ -61,6 +63,28 @@ def test_docker_engine_without_an_engine_says_what_to_do(monkeypatch) -> None:
 def test_buildah_engine_refuses_gpu_specs() -> None:
     with pytest.raises(EngineUnavailable, match="GPU"):
         BuildahEngine().run("any", ["true"], RUN_SPECS["gb10"])
+
+
+def test_our_own_namespace_does_not_pass_for_an_isolated_one() -> None:
+    """Its loopback is up too: a holder that has not run ``unshare`` yet must not
+    be taken for ready, or a container joining it runs on the host's network."""
+    assert not _isolated_loopback_up(os.getpid())
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("nsenter")),
+    reason="network namespaces need root, unshare and nsenter",
+)
+def test_a_buildah_network_is_its_own_namespace_once_yielded() -> None:
+    """Every time, also when nothing else delays the first container: the holder's
+    namespace is not ours by the time a container may join it."""
+    engine = BuildahEngine(storage=())
+    ours = os.readlink("/proc/self/ns/net")
+    for _ in range(20):
+        with engine.network() as net:
+            holder = engine.holders[net.name].pid
+            assert os.readlink(f"/proc/{holder}/ns/net") != ours
+    assert not engine.holders  # each holder stopped
 
 
 @pytest.mark.container
