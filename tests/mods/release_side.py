@@ -29,25 +29,15 @@ def run_on_tree(script: str, tree: trees.Tree, *args: str, timeout: int = 600) -
 def suite_outcomes(suite: str, tree: str, report: Path, timeout: int = 900) -> dict[str, str]:
     """Test name -> passed | failed | skipped | xfailed, for the kit's ``suite`` run
     on ``tree`` (``KIT_TREE``, e.g. ``0.34.0/patched``); its JUnit report at ``report``."""
-    import xml.etree.ElementTree as ET
+    from kit.vllm_tree.upstream_suite import outcomes
 
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", suite]
     cmd += [f"--junitxml={report}"]
     env = {**os.environ, "KIT_TREE": tree}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert report.exists(), done.stdout[-2000:] + done.stderr[-2000:]
-    result: dict[str, str] = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        if "failure" in kinds or "error" in kinds:
-            result[case.get("name", "")] = "failed"
-        elif "skipped" in kinds:
-            skipped = case.find("skipped")
-            xfail = skipped is not None and skipped.get("type") == "pytest.xfail"
-            result[case.get("name", "")] = "xfailed" if xfail else "skipped"
-        else:
-            result[case.get("name", "")] = "passed"
-    return result
+    # One file: the test's name without its module's.
+    return {case.split("::")[-1]: outcome for case, outcome in outcomes(report).items()}
 
 
 def run_interpreted(triton_env: Path, code: str, *args: str, timeout: int = 600) -> None:
