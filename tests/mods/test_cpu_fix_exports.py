@@ -172,6 +172,7 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
         # Without the CPU's own clause (HAS_TRITON off), XPU's alone decides.
         "xpu triton": alignment(True, False, "triton", "xpu"),
         "xpu sycl": alignment(True, False, "sycl", "xpu"),
+        "xpu sycl, fix off": alignment(False, False, "sycl", "xpu"),
     }
     config.cache_config.enable_mamba_eagle_predecessor_checkpoint = True
     gdn_layer.HAS_TRITON = True
@@ -367,7 +368,7 @@ def test_the_layer_takes_the_grid_only_for_the_fix_where_it_can_export(cpu_run) 
     in its spec) with the fix switched on and MTP, where Triton runs the exporter;
     not with the fix off, nor on a CPU without Triton (which takes no draft
     tokens). The same condition names HIP's, CuteDSL's and AITER FlyDSL's
-    backends and XPU's Triton route, not XPU's fused SYCL op."""
+    backends and XPU's two routes, Triton and the fused SYCL op."""
     assert cpu_run["alignment"] == {
         "cpu": GRID,
         "cpu, fix off": None,
@@ -378,7 +379,8 @@ def test_the_layer_takes_the_grid_only_for_the_fix_where_it_can_export(cpu_run) 
         "aiter_flydsl": GRID,
         "aiter_flydsl, fix off": None,
         "xpu triton": GRID,
-        "xpu sycl": None,
+        "xpu sycl": GRID,
+        "xpu sycl, fix off": None,
     }
     assert cpu_run["spec"] == {
         "alignment": GRID,
