@@ -3,8 +3,8 @@
 How a server materialises Mamba/GDN states (``Geometry.checkpoints``: split,
 internal-1, internal-grid) is the kit's to set only on the CPU, where its trees and
 the CPU GDN export switch decide it. On a GPU target vLLM decides by its kernel
-(FlashInfer GDN exports on a grid, Triton, HIP, CuteDSL and AITER FlyDSL GDN do
-with the fix's exports switched on, Mamba2 at any offset), and on some
+(FlashInfer GDN exports on a grid, Triton, HIP, CuteDSL, AITER FlyDSL and XPU's
+SYCL GDN do with the fix's exports switched on, Mamba2 at any offset), and on some
 geometries a cached follow-up's hit differs between regimes (blocks of 528 or
 1056 tokens at S = 2048 under lookahead hashes: the split path keeps the block
 boundary's state, the internal regimes do not). So a served run records, per

@@ -2,7 +2,7 @@
 
 ``make regress`` compares the trees within one checkpoint regime. On a backend
 whose prefill exports nothing from the pass (Triton/FLA, HIP, CuteDSL, AITER
-FlyDSL, CPU GDN), the unpatched tree runs the split path; with
+FlyDSL, XPU's fused SYCL op, CPU GDN), the unpatched tree runs the split path; with
 ``MOVES_INTO_PASS`` in the patched tree, the fix switched on and EAGLE/MTP, the
 same backend exports every kept state on the 64-token grid instead. Without
 speculation the patched tree stays split (the mod's gate), so a k = 0 case is
@@ -27,8 +27,8 @@ from collections import Counter
 
 from kit.rig import regress
 
-# The mod that moves Triton, HIP, CuteDSL, AITER FlyDSL and CPU GDN from the split
-# path into the pass.
+# The mod that moves Triton, HIP, CuteDSL, AITER FlyDSL, XPU SYCL and CPU GDN from
+# the split path into the pass.
 MOVES_INTO_PASS = "fix-eagle-fine-prefix-exports"
 BEFORE, AFTER = "split", "internal-grid"
 
@@ -126,8 +126,8 @@ def failures(view: dict) -> list[str]:
 def render(view: dict) -> list[str]:
     """The view as a Markdown section."""
     lines = [
-        "## Triton, HIP, CuteDSL, AITER FlyDSL and CPU GDN: unpatched on the split path, "
-        "patched in the pass",
+        "## Triton, HIP, CuteDSL, AITER FlyDSL, XPU SYCL and CPU GDN: unpatched on the "
+        "split path, patched in the pass",
         "",
         f"With `{MOVES_INTO_PASS}`, the fix on and EAGLE/MTP, these backends export every "
         f"kept state from the pass; unpatched they run the split path. Unpatched `{BEFORE}` "

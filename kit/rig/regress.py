@@ -405,12 +405,11 @@ def failures(report: dict) -> list[str]:
 REGIME_NOTE = (
     "Checkpoint regimes: `split` = the scheduler ends a prefill chunk where a Mamba/GDN "
     "state is kept (Qwen GDN on every GDN backend until the release whose FlashInfer GDN "
-    "exports states; from it every other GDN backend without the fix's exports, and "
-    "XPU's fused SYCL op); "
+    "exports states; from it every other GDN backend without the fix's exports); "
     "`internal-1` = the layer exports the state from inside one forward pass at "
     "any offset (Mamba2, e.g. Nemotron-H); `internal-grid` = the same on lcm(H, 64) (Qwen "
     "GDN on FlashInfer, on Hopper, Blackwell and GB10, from the release whose FlashInfer GDN "
-    "exports states; Triton, HIP, CuteDSL, AITER FlyDSL and CPU GDN with "
+    "exports states; Triton, HIP, CuteDSL, AITER FlyDSL, XPU SYCL and CPU GDN with "
     "fix-eagle-fine-prefix-exports, the fix on and EAGLE/MTP)."
 )
 

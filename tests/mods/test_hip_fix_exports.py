@@ -170,7 +170,15 @@ def _metadata_backend(layer, builder, common, hip: dict) -> dict:  # noqa: ANN00
     stale = dataclasses.replace(
         pieces, kernel_args=[pieces.kernel_args[0]] * len(pieces.kernel_args)
     )
+    # A batch without checkpoints (SHORT: one block) plans nothing and takes the
+    # whole batch's varlen metadata.
+    unplanned = builder.build(0, batch_metadata([SHORT], None, COLS))
     return {
+        "whole_batch_metadata": {
+            "pieces": _whole_batch_metadata(md),
+            "no checkpoint": _whole_batch_metadata(unplanned),
+        },
+        "unplanned": unplanned.flashinfer_checkpoint_plan is None,
         "backend": builder.gdn_prefill_backend,
         "plans": builder.plan_flashinfer_checkpoints,
         "tails": plan.tails is not None,
@@ -187,6 +195,12 @@ def _metadata_backend(layer, builder, common, hip: dict) -> dict:  # noqa: ANN00
         },
         "stale": _stale(layer, md, exports, stale, forward),
     }
+
+
+def _whole_batch_metadata(md) -> list[str]:  # noqa: ANN001
+    """Which of the whole prefill batch's varlen metadata the builder made."""
+    names = ("chunk_indices", "chunk_offsets", "aiter_prefill_metadata")
+    return [name for name in names if getattr(md, name) is not None]
 
 
 def _stale(layer, md, exports, pieces, forward) -> dict:  # noqa: ANN001
@@ -611,6 +625,22 @@ def test_each_round_gets_its_own_varlen_metadata(plan) -> None:  # noqa: ANN001
         "dtypes": ["torch.int32", "torch.int32"],
     }
     assert [r["chunk_offsets"] for r in cutedsl[1:]] == [[0, 1, 3], [0, 1, 2], [0, 1, 2], [0, 1]]
+
+
+@pytest.mark.parametrize("backend", METADATA_BACKENDS)
+def test_a_batch_in_pieces_takes_no_whole_batch_metadata(plan, backend: str) -> None:  # noqa: ANN001
+    """The builder makes CuteDSL's chunk table or AITER's varlen metadata for the
+    whole prefill batch only where no pieces are planned: a batch in pieces takes
+    each round's own, and one without checkpoints the whole batch's as before."""
+    got = plan["metadata_backends"][backend]
+    assert got["unplanned"]
+    assert got["whole_batch_metadata"] == {
+        "pieces": [],
+        "no checkpoint": {
+            "cutedsl": ["chunk_indices", "chunk_offsets"],
+            "aiter_flydsl": ["aiter_prefill_metadata"],
+        }[backend],
+    }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -127,6 +127,5 @@ def test_the_committed_newest_release_tables_hold_the_view() -> None:
     for part in committed["hashings"].values():
         assert part["eagle_specific_loss"] == {"cases": 0, "tokens": 0}
         assert part["cold_steps"]["saved"] > 0
-    assert (
-        "## Triton, HIP, CuteDSL, AITER FlyDSL and CPU GDN" in (base / "regression.md").read_text()
-    )
+    # The split table carries the view as rendered from its own JSON.
+    assert "\n".join(moved_to_pass.render(committed)) in (base / "regression.md").read_text()
