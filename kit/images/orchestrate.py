@@ -287,18 +287,10 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
             s: upstream_suite.counts(outs[s] / "regression-suite.xml") for s in STAGES
         }
     }
-    if all(measured.values()):
-        for stage in STAGES:
-            measured[stage]["mods_record"] = records[stage] or {"mods": []}
-            measured[stage]["tree"] = regress.image_tree_record(stage, records[stage])
-        table = regress.build(
-            measured[STAGES[0]]["tree"]["release"] or pins.get("vllm.version"),
-            {(stage, regress.hashing_of(data)): data for stage, data in measured.items()},
-        )
-        where = bundle.write_regression(out / bundle.REGRESSION, table, regress.render(table))
+    table, table_problems = regression_table(records, measured, out, outs)
+    problems += table_problems
+    if table is not None:
         summary["regression_table"] = table["summary"]
-        if regress.failures(table):
-            problems.append(f"regression table: {regress.failures(table)}; see {where}")
     junits = {s: outs[s] / f"upstream-{s}.xml" for s in STAGES}
     if all(j.is_file() for j in junits.values()):
         release = (records.get("unpatched") or {}).get("vllm_version", "")
@@ -319,6 +311,34 @@ def run_suites(engine, found: dict, target: str, out: Path, upstream_tests: Path
     if problems:
         raise OrchestrateError("\n".join(problems))
     return {"summary": summary, "image_records": records}
+
+
+def regression_table(
+    records: dict, measured: dict, out: Path, outs: dict
+) -> tuple[dict | None, list[str]]:
+    """Both images' regress measurements as one table (written under ``out``), each
+    image judged by its own record of its mods, and the table's failures; no table
+    where an image measured nothing, and none but a problem where one left no
+    record: without it the patched image would be judged as one with no fix."""
+    if not all(measured.values()):
+        return None, []
+    missing = [stage for stage in STAGES if not records[stage]]
+    if missing:
+        return None, [
+            f"{stage}: no image record beside its measurement, so the regression "
+            f"table cannot tell what the image carries; see {outs[stage]}"
+            for stage in missing
+        ]
+    for stage in STAGES:
+        measured[stage]["mods_record"] = records[stage]
+        measured[stage]["tree"] = regress.image_tree_record(stage, records[stage])
+    table = regress.build(
+        measured[STAGES[0]]["tree"]["release"] or pins.get("vllm.version"),
+        {(stage, regress.hashing_of(data)): data for stage, data in measured.items()},
+    )
+    where = bundle.write_regression(out / bundle.REGRESSION, table, regress.render(table))
+    failures = regress.failures(table)
+    return table, [f"regression table: {failures}; see {where}"] if failures else []
 
 
 # 5. the TTFT comparison ----------------------------------------------------------

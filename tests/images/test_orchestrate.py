@@ -116,6 +116,24 @@ def test_junit_counts_xfail_apart_from_skip(tmp_path: Path) -> None:
     }
 
 
+def test_no_regression_table_without_both_image_records(tmp_path: Path) -> None:
+    """Without an image's record of its mods (suites stopped before writing it), the
+    patched image would be judged as one with no fix: a problem, and no table."""
+    outs = {stage: tmp_path / stage for stage in orchestrate.STAGES}
+    measured = {stage: {"rows": []} for stage in orchestrate.STAGES}
+    records = {"unpatched": {"vllm_version": "0.32.0", "mods": []}, "patched": {}}
+    table, problems = orchestrate.regression_table(records, measured, tmp_path, outs)
+    assert table is None
+    assert problems == [
+        "patched: no image record beside its measurement, so the regression table "
+        f"cannot tell what the image carries; see {outs['patched']}"
+    ]
+    assert not any(tmp_path.rglob("regression.*"))
+    # Nothing measured: nothing to judge, and the suites' exit status says why.
+    empty = {stage: {} for stage in orchestrate.STAGES}
+    assert orchestrate.regression_table(records, empty, tmp_path, outs) == (None, [])
+
+
 def test_an_image_from_other_kit_sources_is_not_reused() -> None:
     labels = {
         images.SOURCE_LABEL: images.source_sha256(),
