@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,56 @@ def on_tree_config(model_dir: Path, geometry: Any) -> Any:
 
 # Rows of a batch: (seq_len, query_len, prefilling).
 Row = tuple[int, int, bool]
+
+
+def split_steps(
+    rows: list[Row], exported: Iterable[tuple[int, int]]
+) -> list[tuple[list[int], list[Row], dict[int, int]]]:
+    """The split path's engine steps over a batch of ``rows``: each prefill row runs
+    chunk by chunk, a chunk ending at each of its ``exported`` (row, offset into
+    its query) and at its query's end; the other rows run in the first step only.
+    Per step: the batch rows it runs, each one's row in that step's batch (seq_len
+    at the chunk's end, chunk length, prefilling), and where each prefill row's
+    chunk ends."""
+    cuts = {r: {query} for r, (_, query, prefilling) in enumerate(rows) if prefilling}
+    for r, offset in exported:
+        cuts[r].add(offset)
+    done = dict.fromkeys(cuts, 0)
+    steps = []
+    step_rows = list(range(len(rows)))
+    while step_rows:
+        batch: list[Row] = []
+        for r in step_rows:
+            seq, query, prefilling = rows[r]
+            end = min(c for c in cuts[r] if c > done[r]) if prefilling else query
+            batch.append((seq - query + end, end - done[r], True) if prefilling else rows[r])
+        ends = {}
+        for r, (_, query, _) in zip(step_rows, batch, strict=True):
+            if r in done:
+                done[r] += query
+                ends[r] = done[r]
+        steps.append((step_rows, batch, ends))
+        step_rows = [r for r in cuts if done[r] < rows[r][1]]
+    return steps
+
+
+def exports_by_row(
+    written: list[dict], non_spec_rows: list[int], starts: list[int]
+) -> list[tuple[int, int, int]]:
+    """Each written export (``export_rows``' dicts, or an exporter's record of them)
+    as (batch row, offset, block), its row found by its start among the non-spec
+    rows' ``starts``."""
+    return [(non_spec_rows[starts.index(w["start"])], w["offset"], w["block"]) for w in written]
+
+
+def slot_table(table: Any, slots: dict[int, int]) -> Any:
+    """On the tree: ``table`` with every column of each row in ``slots`` naming that
+    slot, so that a split step's running state stays in the slot the planned step
+    used and each chunk end's state is that slot after the step."""
+    split = table.clone()
+    for r, slot in slots.items():
+        split[r] = slot
+    return split
 
 
 def block_table(rows: list[Row], cols: int) -> Any:

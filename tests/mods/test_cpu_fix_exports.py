@@ -35,7 +35,15 @@ from pathlib import Path
 import pytest
 
 from kit.vllm_tree import trees
-from tests.mods.release_side import batch_metadata, block_table, on_tree_config, run_on_tree
+from tests.mods.release_side import (
+    batch_metadata,
+    block_table,
+    exports_by_row,
+    on_tree_config,
+    run_on_tree,
+    slot_table,
+    split_steps,
+)
 from tests.mods.test_hip_fix_exports import BLOCK, COLD, EXPORTS, GRID, RESUMED, ROWS
 
 pytestmark = pytest.mark.cpu
@@ -275,42 +283,26 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
         starts = md.non_spec_query_start_loc.tolist()
         planned = {
             "exports": {
-                (non_spec_rows[starts.index(w["start"])], w["offset"]): state(w["block"])
-                for w in written
+                (r, offset): state(block)
+                for r, offset, block in exports_by_row(written, non_spec_rows, starts)
             },
             "finals": {r: state(slot) for r, slot in slots.items()},
         }
-        # The split path on the same caches as before the step: stock metadata;
-        # each prefill row's chunks end at its exports, engine step by engine
-        # step. Its running state stays in the slot the planned step started from
-        # (every column of its table names it), so each chunk end's state is that
-        # slot after the step.
+        # The split path on the same caches as before the step: stock metadata,
+        # each prefill row's chunks ending at its exports, engine step by engine
+        # step, its running state in the slot the planned step used.
         layer.kv_cache = initial
-        cuts = {
-            r: {rows[r][1]} | {o for row, o in planned["exports"] if row == r} for r in prefill_rows
-        }
-        split_table = table.clone()
-        for r, slot in slots.items():
-            split_table[r] = slot
-        done = dict.fromkeys(prefill_rows, 0)
+        split_table = slot_table(table, slots)
         split_states, split_outs = {}, {r: [] for r in prefill_rows}
-        step_rows = list(range(len(rows)))
-        while step_rows:
-            batch = []
-            for r in step_rows:
-                seq, query, prefilling = rows[r]
-                end = min(c for c in cuts[r] if c > done[r]) if prefilling else query
-                batch.append((seq - query + end, end - done[r], True) if prefilling else rows[r])
+        for step_rows, batch, ends in split_steps(rows, planned["exports"]):
             step_drafts = None if drafts is None else [drafts[r] for r in step_rows]
             _, step_md = build(batch, None, step_drafts, split_table[step_rows], stock_spec)
             assert step_md.flashinfer_checkpoint_plan is None
             outs = run(step_md, [feats[r] for r in step_rows], batch)
-            for r, (_, query, _), o in zip(step_rows, batch, outs, strict=True):
-                if r in done:
-                    done[r] += query
+            for r, o in zip(step_rows, outs, strict=True):
+                if r in ends:
                     split_outs[r].append(o)
-                    split_states[r, done[r]] = state(slots[r])
-            step_rows = [r for r in prefill_rows if done[r] < rows[r][1]]
+                    split_states[r, ends[r]] = state(slots[r])
 
         def same(a, b) -> bool:  # noqa: ANN001
             return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -38,8 +38,11 @@ from tests.mods.release_side import (
     batch_metadata,
     block_table,
     export_rows,
+    exports_by_row,
     on_tree_config,
     run_on_tree,
+    slot_table,
+    split_steps,
 )
 from tests.mods.test_cpu_fix_exports import BATCHES, COLS, NUM_SLOTS, NUM_SPEC
 from tests.mods.test_hip_fix_exports import BLOCK, GRID
@@ -285,31 +288,17 @@ def _on_tree(model_dir: Path, out: Path) -> None:  # noqa: C901 - one scenario
         planned_calls = list(calls)
         planned = {
             "exports": {
-                (non_spec_rows[starts.index(w["start"])], w["offset"]): state(w["block"])
-                for w in written
+                (r, offset): state(block)
+                for r, offset, block in exports_by_row(written, non_spec_rows, starts)
             },
             "finals": {r: state(slot) for r, slot in slots.items()},
         }
-        # The split path on the same caches as before the step: stock metadata,
-        # each prefill row's chunks ending at its exports, engine step by engine
-        # step, its running state in the slot the planned step used.
+        # The split path on the same caches, as in test_cpu_fix_exports.py.
         layer.kv_cache = initial
-        cuts = {
-            r: {rows[r][1]} | {o for row, o in planned["exports"] if row == r} for r in prefill_rows
-        }
-        split_table = table.clone()
-        for r, slot in slots.items():
-            split_table[r] = slot
-        done = dict.fromkeys(prefill_rows, 0)
+        split_table = slot_table(table, slots)
         split_states = {}
         split_outs = {r: ([], []) for r in range(len(rows))}
-        step_rows = list(range(len(rows)))
-        while step_rows:
-            batch = []
-            for r in step_rows:
-                seq, query, prefilling = rows[r]
-                end = min(c for c in cuts[r] if c > done[r]) if prefilling else query
-                batch.append((seq - query + end, end - done[r], True) if prefilling else rows[r])
+        for step_rows, batch, ends in split_steps(rows, planned["exports"]):
             step_drafts = None if drafts is None else [drafts[r] for r in step_rows]
             _, step_md = build(batch, None, step_drafts, split_table[step_rows], stock_spec)
             assert step_md.flashinfer_checkpoint_plan is None
@@ -318,10 +307,8 @@ def _on_tree(model_dir: Path, out: Path) -> None:  # noqa: C901 - one scenario
             for i, r in enumerate(step_rows):
                 split_outs[r][0].append(outs[i])
                 split_outs[r][1].append(gates[i])
-                if r in done:
-                    done[r] += batch[i][1]
-                    split_states[r, done[r]] = state(slots[r])
-            step_rows = [r for r in prefill_rows if done[r] < rows[r][1]]
+            for r, end in ends.items():
+                split_states[r, end] = state(slots[r])
 
         def same(a, b) -> bool:  # noqa: ANN001
             return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
