@@ -24,11 +24,10 @@ UNIT = 16
 # How a Mamba/GDN state reaches a prefix-cache boundary (``Geometry.checkpoints``):
 # "split": the scheduler ends a prefill chunk there (every GDN backend before
 # 0.34.0's FlashInfer one; 0.34.0's others without the fix's exports);
-# "internal-1": the layer exports it from inside the forward pass
-# at any offset (Mamba2's ``mamba_mixer2.py``: alignment 1); "internal-grid": the
-# same on a grid (0.34.0's Qwen GDN on FlashInfer, and on Triton/FLA, HIP,
-# CuteDSL, AITER FlyDSL, XPU's SYCL op and the CPU with
-# fix-eagle-fine-prefix-exports:
+# "internal-1": the layer exports it from inside the forward pass at any offset
+# (Mamba2's ``mamba_mixer2.py``: alignment 1); "internal-grid": the same on a
+# grid (0.34.0's Qwen GDN on FlashInfer, and on Triton/FLA, HIP, CuteDSL, AITER
+# FlyDSL, XPU's SYCL op and the CPU with fix-eagle-fine-prefix-exports:
 # alignment lcm(H, 64), ``get_mamba_prefill_checkpoint_grid``).
 REGIMES = ("split", "internal-1", "internal-grid")
 # FlashInfer's GDN prefill exports states every 64 tokens.
