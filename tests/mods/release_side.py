@@ -100,6 +100,20 @@ def split_steps(
     return steps
 
 
+def draft_kwargs(drafts: list[int] | None) -> dict:
+    """On the tree: what ``GDNAttentionMetadataBuilder.build`` takes for a batch
+    whose rows have these draft tokens (-1: not a speculative decode), every
+    speculative row's one token accepted; nothing without speculation."""
+    import torch
+
+    if drafts is None:
+        return {}
+    return {
+        "num_accepted_tokens": torch.ones(len(drafts), dtype=torch.int32),
+        "num_decode_draft_tokens_cpu": torch.tensor(drafts, dtype=torch.int32),
+    }
+
+
 def exports_by_row(
     written: list[dict], non_spec_rows: list[int], starts: list[int]
 ) -> list[tuple[int, int, int]]:

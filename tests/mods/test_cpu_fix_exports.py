@@ -38,6 +38,7 @@ from kit.vllm_tree import trees
 from tests.mods.release_side import (
     batch_metadata,
     block_table,
+    draft_kwargs,
     exports_by_row,
     on_tree_config,
     run_on_tree,
@@ -244,13 +245,7 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
         common = batch_metadata(rows, exports, COLS)
         common.block_table_tensor = table
         builder = GDNAttentionMetadataBuilder(spec, [PREFIX], config, torch.device("cpu"))
-        kwargs = {}
-        if drafts is not None:
-            kwargs = {
-                "num_accepted_tokens": torch.ones(len(rows), dtype=torch.int32),
-                "num_decode_draft_tokens_cpu": torch.tensor(drafts, dtype=torch.int32),
-            }
-        return builder, builder.build(0, common, **kwargs)
+        return builder, builder.build(0, common, **draft_kwargs(drafts))
 
     def run(md, feats, rows) -> list:  # noqa: ANN001
         """The layer's forward over ``rows`` (seq_len, query_len, _); each row's output."""

@@ -37,6 +37,7 @@ from kit.vllm_tree import trees
 from tests.mods.release_side import (
     batch_metadata,
     block_table,
+    draft_kwargs,
     export_rows,
     exports_by_row,
     on_tree_config,
@@ -229,13 +230,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:  # noqa: C901 - one scenario
             builder = GDNAttentionMetadataBuilder(spec, [PREFIX], config, torch.device("cpu"))
         finally:
             gdn_layer._resolve_gdn_prefill_backend = resolve
-        kwargs = {}
-        if drafts is not None:
-            kwargs = {
-                "num_accepted_tokens": torch.ones(len(rows), dtype=torch.int32),
-                "num_decode_draft_tokens_cpu": torch.tensor(drafts, dtype=torch.int32),
-            }
-        return builder, builder.build(0, common, **kwargs)
+        return builder, builder.build(0, common, **draft_kwargs(drafts))
 
     def run(md, inputs, rows) -> tuple:  # noqa: ANN001
         """vLLM's op wrapper over ``rows`` (seq_len, query_len, _); each row's
