@@ -105,9 +105,15 @@ bench: bench-$(HOST_TARGET) ## the main job: cached follow-up TTFT, unpatched vs
 given = $(strip $(foreach v,$(1),$(if $(filter command line environment,$(origin $(v))),$(v))))
 refuse = $(if $(call given,$(2)),@echo "error: make $(1) ignores $(call given,$(2)); $(3)" >&2; exit 2)
 
+# The container flow's variables that mean the same on the host (DRY_RUN=1: print the
+# servers' arguments and start nothing).
+CPU_BENCH_OPTS = $(if $(SHARED),--shared $(SHARED)) $(if $(VLLM),--vllm $(VLLM)) \
+  $(if $(MODEL),--model $(MODEL)) $(if $(filter 1,$(ONE_SERVER)),--one-server) \
+  $(if $(BLOCK_REPS),--block-reps $(BLOCK_REPS)) $(if $(filter 1,$(DRY_RUN)),--print-serve-args)
+
 bench-cpu: setup ## TTFT comparison on the CPU default (tiny model, MTP; internal checkpoint path unless CHECKPOINTS=split or BENCH_ARGS="--checkpoints split"; BENCH_ARGS="--arch qwen3_5_moe": the primary model's architecture), REPS= repetitions; writes results/<date>-cpu-<id>/
-	$(call refuse,bench-cpu,TURN_REPS TURN_ARGS,REPS= and BENCH_ARGS= set the bench (TURN_* are make turn-cost's))
-	$(KIT) bench --reps $(REPS) $(CHECKPOINT_OPT) $(BENCH_ARGS)
+	$(call refuse,bench-cpu,TURN_REPS TURN_ARGS NODES ENGINE HOST_RECORD SOURCE_BUILD BASE_IMAGE,the CPU bench takes REPS= SHARED= CHECKPOINTS= VLLM= MODEL= ONE_SERVER= BLOCK_REPS= DRY_RUN= BENCH_ARGS= (the others are make turn-cost's or the container flow's))
+	$(KIT) bench --reps $(REPS) $(CHECKPOINT_OPT) $(CPU_BENCH_OPTS) $(BENCH_ARGS)
 
 # var TURN_REPS: repetitions per tree and round of turn-cost (default 5)
 TURN_REPS ?= 5
@@ -148,13 +154,13 @@ report: setup ## render BUNDLES="results/A [results/B]" (default: the newest CPU
 ENGINE ?= auto
 # var NODES: machines of the container flow (default 1)
 NODES ?= 1
-# var SHARED: context lengths S of the container flow's bench, e.g. SHARED="1007 2159"
+# var SHARED: context lengths S of the bench (CPU and container flow), e.g. SHARED="1007 2159"
 SHARED ?=
 # VLLM=<release>: gb10/strix images of that release (0.34.0 by default, pins.toml
 # [images.<target>] vllm; VLLM=0.32.0 the pinned one); the cpu image has the pinned one only.
 # var ARCH: gb10's image platform: aarch64 (DGX Spark) or x86_64 (the CUDA sibling; default: this host's)
 # var SOURCE_BUILD: SOURCE_BUILD=1 compiles vLLM in the gb10 image instead of the locked wheel
-# var DRY_RUN: DRY_RUN=1 checks host and pins and prints the commands bench-<target> would run
+# var DRY_RUN: DRY_RUN=1 checks host and pins and prints the commands bench-<target> would run (bench-cpu: the servers' arguments)
 # var HOST_RECORD: (with DRY_RUN=1) a recorded host folder, e.g. tests/data/hosts/gb10-ok
 IMAGE_OPTS = $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(VLLM),--vllm $(VLLM)) \
   $(if $(ARCH),--arch $(ARCH)) $(if $(filter 1,$(SOURCE_BUILD)),--source-build)
@@ -190,7 +196,7 @@ test-strix: setup-host ## the regression suite and vLLM's prefix suite inside bo
 test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
 	$(ORCH) cpu --tests-only
 
-# var VLLM: a vLLM release from pins.toml (regress, upstream-suite: unset the pinned one; gb10/strix images: unset 0.34.0)
+# var VLLM: a vLLM release from pins.toml (regress, upstream-suite: unset the pinned one; gb10/strix images: unset 0.34.0; bench-cpu: only the CPU wheel's, others refused)
 VLLM ?=
 
 STRESS_SEEDS ?= 20

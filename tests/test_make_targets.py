@@ -75,3 +75,27 @@ def test_a_variable_the_target_ignores_is_refused(
 ) -> None:
     out = dry_run(tmp_path, target, variable)
     assert "error:" in out and "exit 2" in out, out
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the cases are for an x86_64 host")
+@pytest.mark.parametrize(
+    "variable,option",
+    [
+        ("SHARED=1007", "--shared 1007"),
+        ("DRY_RUN=1", "--print-serve-args"),
+        ("VLLM=0.99.0", "--vllm 0.99.0"),
+        ("ONE_SERVER=1", "--one-server"),
+    ],
+)
+def test_bench_hands_the_cpu_bench_what_it_is_given(
+    tmp_path: Path, variable: str, option: str
+) -> None:
+    """`make bench SHARED=1007` once started a full bench at every S; each variable the
+    CPU bench understands reaches it (the rest are refused, above)."""
+    out = dry_run(tmp_path, "bench", variable)
+    assert "kit.cli bench" in out and option in out, out
+
+
+def test_the_cpu_bench_refuses_what_the_container_flow_takes(tmp_path: Path) -> None:
+    out = dry_run(tmp_path, "bench-cpu", "NODES=2")
+    assert "error: make bench-cpu ignores NODES" in out and "exit 2" in out, out

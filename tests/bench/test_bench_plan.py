@@ -150,6 +150,9 @@ REFUSALS = [
     (["--arch", Q35, "--model", "x"], {}, "leave --arch out"),
     (["--model", "x", "--checkpoints", "internal"], {}, "leave --checkpoints out (split)"),
     (["--checkpoints", "split"], {ENV: "1"}, f"{ENV} is set in this environment"),
+    # make bench VLLM=0.99.0 once ran the pinned release and exited 0.
+    (["--vllm", "0.99.0"], {}, "not a release pins.toml knows"),
+    (["--vllm", "0.34.0"], {}, "no CPU wheel of it exists"),
 ]
 
 
