@@ -33,6 +33,15 @@ def manifest_lines(manifest: dict) -> list[str]:
         lines.append(f"  - {stage} image {image['id'][:19]}: {mods or 'no mods'}")
     for suite, result in manifest.get("suites", {}).items():
         lines.append(f"  - {suite}: {result}")
+    # The host check's findings: what a first run on a GPU box reports back.
+    host = manifest.get("host") or {}
+    for finding in host.get("checks", []):
+        verdict = "ok" if finding["ok"] else "FAIL"
+        fix = f" (fix: {finding['fix']})" if finding.get("fix") else ""
+        lines.append(f"  - host check {verdict}: {finding['check']}: {finding['detail']}{fix}")
+    facts = {k: v for k, v in (host.get("record") or {}).items() if v not in (None, "", [])}
+    if facts:
+        lines.append("  - host: " + "; ".join(f"{k} {v}" for k, v in sorted(facts.items())))
     return lines
 
 

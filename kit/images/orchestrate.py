@@ -807,6 +807,15 @@ def image_platform(text: str) -> str:
     return text
 
 
+# The flows that have never run on their hardware, said in one line when they start
+# (a first run's bundle is the evidence that retires the entry).
+NEVER_RUN = {
+    target: f"the {target} flow ({box}) has never run on its hardware: this run is its "
+    "first; keep its bundle (make report renders it) and send it back"
+    for target, box in (("gb10", "DGX Spark, GB10"), ("strix", "Strix Halo, gfx1151"))
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -897,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The release every step below builds, tags and runs: the image's own by default.
         plan.vllm = plan.vllm or pins.image_release(plan.target)
+        if plan.target in NEVER_RUN:
+            print(f"note: {NEVER_RUN[plan.target]}", file=sys.stderr, flush=True)
         if plan.dry_run:
             return dry_run(plan)
         out = run(plan)

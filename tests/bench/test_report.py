@@ -53,6 +53,8 @@ def test_a_container_flow_bundle_renders_its_manifest() -> None:
     assert "target cpu, engine buildah" in text
     assert "patched image sha256:" in text and "fix-eagle-fine-prefix" in text
     assert "regression_table" in text and "upstream_suite" in text
+    # A first run on a GPU box reports its host check with the numbers.
+    assert "host check ok: free disk:" in text and "mem_total_gib" in text
 
 
 def test_a_container_flow_bundle_names_what_ran() -> None:

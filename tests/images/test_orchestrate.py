@@ -216,6 +216,13 @@ def test_dry_run_refuses_the_shipped_unresolved_pins_naming_make_lock(capsys) ->
     assert "images.gb10.base" in err and "make lock" in err and "BASE_IMAGE=" in err
 
 
+@pytest.mark.parametrize("target,host", [("gb10", "gb10-ok"), ("strix", "strix-ok")])
+def test_a_gpu_flow_says_it_never_ran_when_it_starts(target: str, host: str, capsys) -> None:
+    orchestrate.main([target, "--dry-run", "--recorded-host", str(HOSTS / host)])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "never run" in line]
+    assert notes == [f"note: {orchestrate.NEVER_RUN[target]}"]
+
+
 @pytest.fixture()
 def resolved(tmp_path: Path, monkeypatch) -> dict:
     """pins.toml and a models lock after `make lock` ran against the loopback fakes."""
