@@ -9,7 +9,7 @@ VENV_PY := .venv/bin/python
 KIT := $(VENV_PY) -m kit.cli
 TREE_NAMES := unpatched patched
 
-.PHONY: stress help setup test lint mods-list mods-drift regress upstream-suite upstream-check tiny-model bench bench-cpu \
+.PHONY: stress help setup test lint mods-list mods-drift regress upstream-suite upstream-check record-upstream tiny-model bench bench-cpu \
   turn-cost bench-gb10 bench-strix bench-cpu-image test-gb10 test-strix test-cpu report clean \
   lock-models fetch-models verify-models export-models import-models \
   build-gb10 build-strix build-cpu lint-images setup-host lock lock-deps
@@ -61,12 +61,17 @@ else
 	@$(PHASE) "pytest, unpatched tree, tests marked tree" \
 	  env KIT_TREE=unpatched $(VENV_PY) -m pytest -q -p no:cacheprovider -m tree
 	@$(PHASE) "vLLM's v1 core suite, pinned release, pristine/unpatched/patched (the modded trees read from a container-flow run on the same code when there is one)" \
-	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --reuse-flow
+	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --reuse-flow --results-root $(TEST_OUT)/upstream-suite
 	@$(PHASE) "vLLM's v1 core suite, newest release, pristine/unpatched/patched" \
-	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --vllm newest
+	  $(VENV_PY) -m kit.vllm_tree.upstream_suite --vllm newest --results-root $(TEST_OUT)/upstream-suite
 	@$(PHASE) "upstream changes: each patch on pristine vLLM, its new tests without and with it, the v1 core suite" \
-	  $(VENV_PY) -m kit.vllm_tree.upstream_check
+	  $(VENV_PY) -m kit.vllm_tree.upstream_check --suite-results $(TEST_OUT)/upstream-suite --out $(TEST_OUT)/upstream-check.json
 endif
+
+# make test leaves a clean checkout clean: its suites write under .cache/ (ignored);
+# the committed record under results/ is written by the targets named for it
+# (upstream-suite, upstream-check, record-upstream). tests/test_test_outputs.py checks.
+TEST_OUT = .cache/test-results
 
 lint: setup ## ruff over the kit's Python
 	$(VENV_PY) -m ruff check kit tests
@@ -211,6 +216,11 @@ upstream-suite: setup ## vLLM's own tests/v1/core (and the worker tests of the m
 	$(KIT) upstream-suite $(if $(VLLM),--vllm $(VLLM))
 
 upstream-check: setup ## each change under upstream/ on pristine vLLM (its release): git apply, its new tests fail without it and pass with it, its vllm/ part equals the mod, vLLM's v1 core suite passes with it; results/upstream-check.json
+	$(KIT) upstream-check
+
+record-upstream: setup ## write the committed record of what make test checks of vLLM's suites: upstream-suite of the pinned and the newest release, then upstream-check (results/upstream-suite/, results/upstream-check.json)
+	$(KIT) upstream-suite --reuse-flow
+	$(KIT) upstream-suite --vllm newest
 	$(KIT) upstream-check
 
 tiny-model: setup ## write the tiny Qwen3-Next config and its seeded weights to .models/tiny-qwen3-next

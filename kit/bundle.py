@@ -27,6 +27,7 @@ Every module that writes or reads these names goes through here.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -105,13 +106,43 @@ def host_record() -> dict:
     }
 
 
-def write_json(path: Path, data: object, indent: int | None = 1) -> Path:
-    """Written beside and renamed: a reader never sees half a file."""
+def write_text(path: Path, text: str) -> Path:
+    """Written beside and renamed: a reader never sees half a file, and a write that
+    fails (a full disk, the file size limit, Ctrl-C) leaves the old file and no
+    ``.tmp`` beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_json(path: Path, data: object, indent: int | None = 1) -> Path:
+    """``write_text`` of the JSON document."""
+    return write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+# Errors a write meets that the user fixes outside the kit. Python ignores SIGXFSZ,
+# so a write past the file size limit (ulimit -f) is an OSError EFBIG, not a kill.
+WRITE_LIMITS = {
+    errno.ENOSPC: "free space on that disk (df -h) or write elsewhere (--out)",
+    errno.EDQUOT: "free space within your disk quota (quota -s) or write elsewhere (--out)",
+    errno.EFBIG: "the file size limit stopped the write: raise it (ulimit -f unlimited) "
+    "or write elsewhere (--out)",
+}
+
+
+def write_problem(exc: OSError) -> str | None:
+    """``<path>: <what>; <what to do>`` for a write stopped by a full disk, a quota or
+    the file size limit; None for any other error."""
+    todo = WRITE_LIMITS.get(exc.errno) if isinstance(exc, OSError) else None
+    if todo is None:
+        return None
+    return f"{exc.filename or 'a file'}: {exc.strerror or exc}; {todo}"
 
 
 def read_json(path: Path) -> dict:
@@ -131,7 +162,7 @@ def _strict_json(path: Path) -> dict:
 
 def write_bench(bundle: Path, report: dict, rows: list[dict], markdown: str) -> None:
     write_json(bundle / RAW, rows, indent=None)
-    (bundle / BENCH_MD).write_text(markdown)
+    write_text(bundle / BENCH_MD, markdown)
     from kit import plot
 
     plot.bench_figures(report, rows, bundle)
@@ -272,5 +303,5 @@ def write_regression(out_dir: Path, table: dict, markdown: str) -> Path:
     """``regression.json`` and ``regression.md``: `make regress`, the release tables, and
     the container flow's comparison of the two images all write them here."""
     write_json(out_dir / "regression.json", schema.stamp("regression", table))
-    (out_dir / "regression.md").write_text(markdown)
+    write_text(out_dir / "regression.md", markdown)
     return out_dir / "regression.json"

@@ -162,13 +162,15 @@ def _network(exc: BaseException) -> str:
 
 
 def _os_error(exc: OSError) -> str:
+    from kit import bundle  # standard library and kit.schema only; here, not at start-up
+
     name = exc.filename if exc.filename is not None else "a file"
     if exc.filename2 is not None:
         name = f"{name} -> {exc.filename2}"
     what = f"{name}: {exc.strerror or exc}"
     code = exc.errno
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        todo = "free space on that disk (df -h) or write elsewhere (--out)"
+    if code in bundle.WRITE_LIMITS:  # a full disk, a quota, the file size limit
+        todo = bundle.WRITE_LIMITS[code]
     elif code == errno.EROFS:
         todo = "the file system is read-only: run from a writable checkout or write elsewhere"
     elif code in (errno.EACCES, errno.EPERM):

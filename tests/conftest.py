@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import results_guard  # tests/, beside this file (pytest puts its folder on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -47,6 +48,29 @@ def _select_tree():
 # The tree under test (kit.vllm_tree.trees.Tree), chosen before anything imports vllm.
 TREE = _select_tree()
 TREE_PATH = TREE.package if TREE else None
+
+# results/ holds the committed record; the targets named for it write there, a test
+# run never (tests/results_guard.py). Checked once per session, by stat: cheap.
+_COMMITTED = pytest.StashKey[dict]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_COMMITTED] = results_guard.committed(ROOT)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    before = session.config.stash.get(_COMMITTED, {})
+    touched = results_guard.changed(before, results_guard.committed(ROOT)) if before else []
+    if touched:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        line = (
+            f"this test run rewrote or removed committed results ({', '.join(touched[:5])}"
+            f"{' ...' if len(touched) > 5 else ''}): a test must write under tmp_path or "
+            ".cache/ (or another job wrote them meanwhile); git diff results/ shows what"
+        )
+        if reporter is not None:
+            reporter.write_line(f"ERROR: {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def carries_the_fix() -> bool:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import json
 import os
 import shlex
@@ -51,15 +50,16 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 from kit import bundle
 from kit.bench import one_server, regime_fit, step_log
 from kit.bench import plan as bench_plan
+from kit.bench.bench_lock import BenchBusy, bench_lock
 from kit.bench.md_blocks import kernels_line, result_blocks
 from kit.bench.openai_client import MetricsError, RequestError, served_release
 from kit.bench.plan import BenchPlan, BenchPlanError
@@ -127,41 +127,6 @@ def _interrupt(signum: int, _frame: object) -> None:
     for sig in EXIT_SIGNAL:
         signal.signal(sig, signal.SIG_IGN)
     raise Interrupted(signum)
-
-
-class BenchBusy(RuntimeError):
-    """Another bench holds this checkout's bench lock."""
-
-
-@contextmanager
-def bench_lock() -> Iterator[None]:
-    """Hold this checkout's bench lock (``.cache/bench.lock``) for the block, or raise
-    BenchBusy at once. Two benches at once share the CPUs (and the compile caches
-    under .cache/vllm), and each would measure the other's load as its own.
-
-    ``flock``: the kernel drops it when its holder ends, however it ends (``kill -9``
-    too), so there is no stale lock to clean up; the pid written into the file is
-    only for the message. The descriptor is close-on-exec and ``subprocess`` closes
-    it in children, so a server or a watchdog never holds it."""
-    path = ROOT / ".cache" / "bench.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            who, stop = (f"pid {holder}", f"kill {holder}") if holder.isdigit() else ("", "")
-            raise BenchBusy(
-                f"another bench ({who or 'pid unknown'}) is running in this checkout "
-                f"({ROOT}): two at once share the CPUs and overlap their measurements; "
-                f"wait until it ends{f', or stop it ({stop})' if stop else ''}"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)
 
 
 def space_problem() -> str | None:
@@ -545,9 +510,17 @@ def _main(plan: BenchPlan) -> int:
     ) as exc:
         where = _give_up(out, chosen, str(exc), "failed", say=False)
         # One line. The error may name a file in the run's folder (a server's log),
-        # which _give_up renamed when the kit chose the folder.
-        message = str(exc).replace(str(out), str(where)) if where != out else str(exc)
-        print(f"error: {message} (the run's folder, with failed.json: {where})", file=sys.stderr)
+        # which _give_up renamed when the kit chose the folder; a full disk or the
+        # file size limit says what to do about it.
+        message = bundle.write_problem(exc) or str(exc)
+        message = message.replace(str(out), str(where)) if where != out else message
+        # failed.json is named only where it was written (a full disk may refuse it too).
+        kept = (
+            f"with {bundle.FAILED}"
+            if (where / bundle.FAILED).is_file()
+            else f"no {bundle.FAILED}: it could not be written either"
+        )
+        print(f"error: {message} (the run's folder, {kept}: {where})", file=sys.stderr)
         return 1
     except BaseException as exc:
         # Anything else (a tree that cannot be built, a bug): the folder still says
@@ -566,16 +539,17 @@ def _give_up(out: Path, chosen: bool, reason: str, status: str, say: bool = True
     it is now; ``say``: print why and where (else the caller does, in its own line)."""
     if (out / bundle.BENCH).is_file():
         return out
+    unwritten = ""
     try:
         bundle.write_failed(out, reason, status)
-    except OSError as exc:  # a full or read-only disk: say so, and keep the first error
-        print(f"could not write {out / bundle.FAILED}: {exc}", file=sys.stderr)
+    except OSError as exc:  # a full or read-only disk: said in the one line, after the first error
+        unwritten = f"; {bundle.FAILED} could not be written ({bundle.write_problem(exc) or exc})"
     if chosen:
         moved = out.with_name(out.name + "-failed")
         os.replace(out, moved)
         out = moved
     if say:
-        print(f"{status}: {reason}; what the run left is in {out}", file=sys.stderr)
+        print(f"{status}: {reason}; what the run left is in {out}{unwritten}", file=sys.stderr)
     return out
 
 

@@ -38,8 +38,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from kit import schema
+from kit import bundle, schema
 from kit.bench import serve_args, ttft, ttft_stats
+from kit.bench.bench_lock import BenchBusy, bench_lock
 from kit.geometry.geometry_model import UNIT
 from kit.vllm_tree import mods, trees
 
@@ -398,6 +399,18 @@ def main(argv: list[str] | None = None) -> int:
             rows = measure(args.tree, args.reps, args.shared, args.checkpoints, args.fix)
         args.out.write_text(json.dumps(rows))
         return 0
+    # The bench's lock: a turn-cost beside a bench (or another turn-cost) would measure
+    # its load and write the same committed results.
+    try:
+        with bench_lock():
+            return _compare(args)
+    except BenchBusy as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Both trees measured, the table printed, the JSON written (under the bench lock)."""
     from tabulate import tabulate
 
     rows: list[dict] = []
@@ -422,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.one_process:
         print("one process: u = the patched tree with the fix off, p = with it on")
     print(tabulate(body, headers=headers))
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    # Beside and renamed: a run stopped mid-write never leaves half a committed file.
+    bundle.write_json(args.out, result)
     print(f"results: {args.out}")
     return 0
 

@@ -64,7 +64,29 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
+# make device-check runs this with DEVICE_PYTHON (default python3), which may lack
+# torch or Triton: one line saying so, not a traceback.
+NEEDS = (
+    "device-check needs torch and triton in the Python that runs it: install them there "
+    "(pip install torch triton) or point make at a Python that has them: "
+    "make device-check DEVICE_PYTHON=/path/to/python"
+)
+
+
+def _missing(module: str, exc: ImportError) -> None:
+    print(
+        f"error: {sys.executable} cannot import {module} ({exc}); " + NEEDS,
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
+
+
+try:
+    import torch
+except ImportError as _exc:
+    if __name__ != "__main__":
+        raise  # imported (the kit's tests): the importer says what is missing
+    _missing("torch", _exc)
 
 MAMBA_UTILS = Path("vllm/v1/worker/mamba_utils.py")
 FLA_OPS = Path("vllm/third_party/flash_linear_attention/ops")
@@ -1140,6 +1162,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, required=True, help="the result JSON file")
     args = parser.parse_args(argv)
+    try:
+        import triton  # noqa: F401 - only whether it imports; the kernels load it later
+    except ImportError as exc:
+        _missing("triton", exc)
     if args.bundle is None and (args.kernels is None or args.cases is None):
         parser.error("give --bundle, or --kernels and --cases")
     device = args.device or ("cuda" if args.bundle and not args.dry_run else "cpu")

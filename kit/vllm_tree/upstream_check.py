@@ -12,10 +12,13 @@ pristine copy of the release's sdist (``vllm/`` and ``tests/``):
 3. with only its ``tests/`` part the new tests fail, with the whole patch they pass;
 4. vLLM's v1 core suite (kit/vllm_tree/upstream_suite.py) on the patched source
    passes every case the pristine tree passes (``--suite``; the pristine
-   outcomes are read from ``results/upstream-suite/<release>/``, which `make
-   test` writes on the same sdist).
+   outcomes are read from ``--suite-results`` (default
+   ``results/upstream-suite/<release>/``, which `make upstream-suite` writes;
+   `make test` points it at the run it made under .cache/).
 
-Writes ``results/upstream-check.json``; exits 1 when any step fails.
+Writes ``results/upstream-check.json`` (``--out``: elsewhere; `make test` writes
+under .cache/, `make upstream-check` the committed file); exits 1 when any step
+fails.
 """
 
 from __future__ import annotations
@@ -133,13 +136,16 @@ def same_as_mod(change: Change, patched: Path, work: Path) -> list[str]:
     ]
 
 
-def suite_against_pristine(change: Change, source: Path) -> dict:
-    """The v1 core suite on the patched source; what pristine passes it must pass."""
-    pristine_junit = UPSTREAM_SUITE_RESULTS / change.release / "upstream-pristine.xml"
+def suite_against_pristine(change: Change, source: Path, suite_results: Path) -> dict:
+    """The v1 core suite on the patched source; what pristine passes it must pass (the
+    pristine outcomes of an upstream-suite run whose results root is ``suite_results``)."""
+    folder = releases.results_dir(suite_results, change.release)
+    pristine_junit = folder / "upstream-pristine.xml"
     if not pristine_junit.is_file():
         raise CheckError(
-            f"no pristine outcomes for {change.release} ({pristine_junit}); "
-            f"run make upstream-suite VLLM={change.release} first"
+            f"no pristine outcomes for {change.release} ({pristine_junit}); run "
+            f"make upstream-suite VLLM={change.release} first (or name the folder of such "
+            "a run with --suite-results)"
         )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -155,7 +161,7 @@ def suite_against_pristine(change: Change, source: Path) -> dict:
     return {"ok": ok, "summary": report["summary"], "lost": report["passed_unpatched_not_patched"]}
 
 
-def check(change: Change, suite: bool) -> dict:
+def check(change: Change, suite: bool, suite_results: Path = UPSTREAM_SUITE_RESULTS) -> dict:
     result: dict = {"mod": change.mod, "release": change.release, "new_tests": change.new_tests}
     with tempfile.TemporaryDirectory(prefix=f"upstream-{change.name}-") as tmp:
         work = Path(tmp)
@@ -173,7 +179,7 @@ def check(change: Change, suite: bool) -> dict:
         result["with_fix"] = run_tests(source, change.release, change.new_tests)
         result["differs_from_mod"] = same_as_mod(change, source, work)
         if suite:
-            result["suite"] = suite_against_pristine(change, source)
+            result["suite"] = suite_against_pristine(change, source, suite_results)
     result["ok"] = (
         result["applies"]
         and all(v == "failed" for v in result["without_fix"].values())
@@ -208,13 +214,22 @@ def main(argv: list[str] | None = None) -> int:
         "--no-suite", action="store_true", help="skip step 4 (vLLM's v1 core suite per patch)"
     )
     parser.add_argument("--out", type=Path, default=OUT, help=f"default {OUT.relative_to(ROOT)}")
+    parser.add_argument(
+        "--suite-results",
+        type=Path,
+        default=UPSTREAM_SUITE_RESULTS,
+        help="the results root of the upstream-suite run whose pristine outcomes step 4 "
+        f"compares against (default {UPSTREAM_SUITE_RESULTS.relative_to(ROOT)})",
+    )
     args = parser.parse_args(argv)
     if shutil.which("git") is None:
         print("error: git is not on PATH; install git (it applies the patches)", file=sys.stderr)
         return 2
     try:
         found = changes()
-        results = {change.name: check(change, not args.no_suite) for change in found}
+        results = {
+            change.name: check(change, not args.no_suite, args.suite_results) for change in found
+        }
     except (CheckError, sdists.SdistError, releases.ReleaseError, mods.ModError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,9 @@ any release pins.toml names, run against that release's trees
 no mod), unpatched (plus the enablement and correctness mods) and patched (plus
 the fix). Each tree must pass every case the tree below it passes: unpatched
 against pristine, patched against unpatched. Results:
-``results/upstream-suite/[<release>/]`` (``releases.results_dir``).
+``results/upstream-suite/[<release>/]`` (``releases.results_dir``; ``--results-root``
+another root: `make test` writes under .cache/, `make upstream-suite` and
+`make record-upstream` write the committed record).
 
 The cases read hub models' configs from an offline cache the kit writes
 (kit/vllm_tree/offline_hub.py); every case that cannot run here is excluded by
@@ -280,8 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        help="a folder (default: results/upstream-suite, a release other than the pinned "
-        "one in its <release>/ folder)",
+        help="a folder (default: <--results-root>, a release other than the pinned one in "
+        "its <release>/ folder)",
+    )
+    parser.add_argument(
+        "--results-root",
+        type=Path,
+        default=UPSTREAM_SUITE_RESULTS,
+        help="the folder the release's outputs go under (default: results/upstream-suite, "
+        "the committed record; make test names one under .cache/ so a test run leaves the "
+        "checkout as it was)",
     )
     parser.add_argument(
         "--reuse-flow",
@@ -295,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         version = releases.resolve(args.vllm)
         sdist = sdists.release(version, args.sdist)  # an unknown release was refused first
         tests_dir = extract_tests(sdist, version)
-        out_dir = args.out or releases.results_dir(UPSTREAM_SUITE_RESULTS, version)
+        out_dir = args.out or releases.results_dir(args.results_root, version)
         under_test = releases.trees_of(version)
         excluded = exclusions(version)
     except (SuiteError, sdists.SdistError, releases.ReleaseError, mods.ModError, OSError) as exc:

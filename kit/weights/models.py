@@ -270,7 +270,7 @@ def _problem(store: Path, entry: Entry, f: LockedFile, full: bool) -> str | None
     return None
 
 
-def verify(entries: list[Entry], store: Path, full: bool = False) -> None:
+def _problems(entries: list[Entry], store: Path, full: bool) -> list[str]:
     _require_pinned(entries)
     problems = []
     for entry in entries:
@@ -278,9 +278,14 @@ def verify(entries: list[Entry], store: Path, full: bool = False) -> None:
             issue = _problem(store, entry, f, full)
             if issue:
                 problems.append(f"{entry.key}: {f.path}: {issue}")
-        fixes = {p.split(":")[0] for p in problems}
+    return problems
+
+
+def verify(entries: list[Entry], store: Path, full: bool = False) -> None:
+    problems = _problems(entries, store, full)
     if problems:
-        hint = " ".join(f"'make fetch-models MODEL={k}'" for k in sorted(fixes))
+        fixes = sorted({p.split(":")[0] for p in problems})
+        hint = " ".join(f"'make fetch-models MODEL={k}'" for k in fixes)
         raise VerifyError("\n".join(problems) + f"\nfix: {hint}")
 
 
@@ -338,6 +343,53 @@ def _swap_in(store: Path, scratch: Path, names: list[str], entries: list[Entry])
         raise
 
 
+# An import unpacks into ``<store>/.kit-import-<pid>-<random>``; the pid lets the next
+# import or verify tell the folder of a killed import (``recover``) from a running one's.
+SCRATCH_PREFIX = ".kit-import-"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie has ended: it holds nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's: running
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: os.kill's answer stands
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def recover(store: Path) -> list[str]:
+    """Undo what an import killed outright (``kill -9``, a power cut) left in the store:
+    its scratch folder is removed, and a model it had moved aside into it (``.old-<name>``,
+    ``_swap_in``) is put back in place of whatever stands there (the successor, never
+    verified in place). A running import's folder is left alone. One line per folder."""
+    said = []
+    for scratch in sorted(store.glob(f"{SCRATCH_PREFIX}*")) if store.is_dir() else []:
+        pid = scratch.name.removeprefix(SCRATCH_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        restored = []
+        for aside in sorted(scratch.glob(".old-*")):
+            dest = store / aside.name.removeprefix(".old-")
+            if dest.is_symlink() or dest.is_file():
+                dest.unlink()
+            elif dest.exists():
+                shutil.rmtree(dest)
+            os.replace(aside, dest)
+            restored.append(dest.name)
+        shutil.rmtree(scratch)
+        back = f"; put back the model it had moved aside: {', '.join(restored)}" if restored else ""
+        said.append(
+            f"{store}: removed {scratch.name}, left by an import (pid {pid}) that was killed{back}"
+        )
+    return said
+
+
 def import_(entries: list[Entry], store: Path, tarball: Path) -> None:
     """Unpack into a scratch store, verify every locked file, then move into place by
     rename and verify there; a model already in the store is replaced only once its
@@ -349,7 +401,10 @@ def import_(entries: list[Entry], store: Path, tarball: Path) -> None:
     if not entries:
         raise LockError("no model selected to import; name one with --model or --target")
     store.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=store) as scratch:
+    for line in recover(store):
+        print(line, file=sys.stderr)
+    prefix = f"{SCRATCH_PREFIX}{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=store) as scratch:
         try:
             with tarfile.open(tarball) as tar:
                 tar.extractall(scratch, filter="data")
@@ -370,7 +425,15 @@ def import_(entries: list[Entry], store: Path, tarball: Path) -> None:
             # dangle in the store (whole in the scratch folder, broken in place).
             if (Path(scratch) / name).is_dir():
                 _links_stay_inside(Path(scratch) / name, f"its model folder {name}")
-        verify(entries, Path(scratch), full=True)
+        problems = _problems(entries, Path(scratch), full=True)
+        if problems:
+            # The import exists for a machine without the network fetch-models needs.
+            raise VerifyError(
+                "\n".join(problems)
+                + f"\nfix: {tarball} does not hold what models.lock pins; export it again on "
+                "the machine that has the models (make export-models) and import that, or "
+                "run make fetch-models where there is network. Nothing was imported"
+            )
         _swap_in(store, Path(scratch), names, entries)
 
 
@@ -467,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise LockError(_offline(exc, "fetch")) from exc
             print(f"fetched and verified {len(chosen)} model(s) in {args.store}")
         elif args.cmd == "verify":
+            for line in recover(args.store):
+                print(line, file=sys.stderr)
             verify(chosen, args.store, full=args.full)
             print(f"verified {len(chosen)} model(s) in {args.store}")
         elif args.cmd == "export":

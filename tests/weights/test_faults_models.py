@@ -160,3 +160,79 @@ def test_fast_verify_of_an_untouched_store_hashes_nothing(
     monkeypatch.setattr(models, "file_sha256", lambda path: hashed.append(path))
     models.verify(lock, store)
     assert hashed == []
+
+
+# --- an import killed outright, an archive with a bad hash -----------------------------
+
+KILLED_IMPORT = """
+import sys, time
+from pathlib import Path
+from kit.weights import models
+lock, store, tarball, ready = map(Path, sys.argv[1:])
+real = models.verify
+
+def verify(entries, where, full=False):
+    if Path(where) == store:  # the old model is aside, the new one in place: stop here
+        ready.write_text("")
+        time.sleep(600)
+    return real(entries, where, full)
+
+models.verify = verify
+models.import_(models.load(lock)[1], store, tarball)
+"""
+
+
+def test_an_import_killed_mid_swap_is_undone_by_the_next_verify(
+    tmp_path: Path, lock: list[models.Entry], store: Path, capsys
+) -> None:
+    """kill -9 once the old model is aside: the next verify removes the scratch folder
+    and puts the old model back, saying so in one line."""
+    import subprocess
+    import sys
+
+    ready = tmp_path / "ready"
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_IMPORT, str(tmp_path / "models.lock"), str(store)]
+        + [str(_tarball(tmp_path)), str(ready)],
+        cwd=Path(models.__file__).resolve().parents[2],
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the import never reached its swap"
+    finally:
+        child.kill()
+        child.wait()
+    assert not (store / FOLDER / "old-copy").exists()  # the old model is aside
+    lock_file = str(tmp_path / "models.lock")
+    assert models.main(["--lock-file", lock_file, "--store", str(store), "verify", "--full"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"(pid {child.pid}) that was killed" in err[0], err
+    assert f"put back the model it had moved aside: {FOLDER}" in err[0]
+    _old_model_intact(store, lock)
+
+
+def test_a_running_imports_scratch_folder_is_left_alone(store: Path) -> None:
+    scratch = store / f"{models.SCRATCH_PREFIX}{os.getppid()}-abc"  # a live process's
+    (scratch / f".old-{FOLDER}").mkdir(parents=True)
+    assert models.recover(store) == []
+    assert scratch.is_dir()
+
+
+def test_an_archive_with_a_bad_hash_says_export_again_not_fetch(
+    tmp_path: Path, lock: list[models.Entry], store: Path
+) -> None:
+    staging = tmp_path / "staging"
+    _model(staging)
+    blob = staging / FOLDER / "blobs" / _sha(FILES["model.safetensors"])
+    blob.write_bytes(bytes(reversed(FILES["model.safetensors"])))  # same size, other bytes
+    tarball = tmp_path / "models.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(staging / FOLDER, arcname=FOLDER)
+    with pytest.raises(models.VerifyError) as caught:
+        models.import_(lock, store, tarball)
+    fix = str(caught.value).splitlines()[-1]
+    assert "make export-models" in fix and "Nothing was imported" in fix
+    assert "fetch-models MODEL=" not in fix
+    _old_model_intact(store, lock)
