@@ -16,6 +16,13 @@ pristine copy of the release's sdist (``vllm/`` and ``tests/``):
    ``results/upstream-suite/<release>/``, which `make upstream-suite` writes;
    `make test` points it at the run it made under .cache/).
 
+Before any of that, ``form_problems`` reads the folders statically: each PR.md
+has the sections and checklist of vLLM's pull-request template, a duplicate-work
+section, an AI-assistance statement and a ``Signed-off-by:`` line; no patch's
+tests import the kit; each RFC.md is at most ``RFC_MAX_WORDS`` words. Any
+problem is printed (one line each, naming the file and what to add) and the
+run stops with exit status 1.
+
 Writes ``results/upstream-check.json`` (``--out``: elsewhere; `make test` writes
 under .cache/, `make upstream-check` the committed file); exits 1 when any step
 fails.
@@ -24,6 +31,7 @@ fails.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +50,119 @@ OUT = RESULTS / "upstream-check.json"
 
 class CheckError(RuntimeError):
     pass
+
+
+# vLLM's .github/PULL_REQUEST_TEMPLATE.md (0.34.0): its sections, in order, and
+# the items of its checklist; AGENTS.md adds the rest.
+TEMPLATE_SECTIONS = ("Overview", "Claims", "Validation", "Details")
+CHECKLIST_SUMMARY = "Pull Request Checklist"
+CHECKLIST_ITEMS = (
+    "/pr-checklist",
+    "AI assistance was used",
+    "**Design Fit:**",
+    "**Testing and Validation:**",
+    "**Code Quality and Style:**",
+    "**Pull Request Contents:**",
+)
+RFC_MAX_WORDS = 1200
+_CHECKBOX = re.compile(r"^\s*- \[[ xX]\] (.*)$")
+_DUPLICATE_HEADING = re.compile(r"^##+ .*duplicate", re.IGNORECASE | re.MULTILINE)
+_ISSUE_REF = re.compile(r"#\d{4,}")
+_SIGNED_OFF = re.compile(r"^Signed-off-by: \S.* <\S+>\s*$", re.MULTILINE)
+_KIT_IMPORT = re.compile(r"^\s*(?:import|from)\s+kit(?:\.|\s|$)|\bkit\.[A-Za-z_]")
+_TESTS_IMPORT = re.compile(r"^\s*(?:import|from)\s+(tests(?:\.\w+)+)")
+
+
+def _pr_problems(pr: Path) -> list[str]:
+    if not pr.is_file():
+        return [f"{pr}: missing; add a PR.md in the form of vLLM's PULL_REQUEST_TEMPLATE.md"]
+    text = pr.read_text()
+    problems = []
+    headings = re.findall(r"^## (.+?)\s*$", text, re.MULTILINE)
+    present = [h for h in headings if h in TEMPLATE_SECTIONS]
+    for section in TEMPLATE_SECTIONS:
+        if section not in headings:
+            problems.append(f"{pr}: add the template's '## {section}' section")
+    if not problems and present[: len(TEMPLATE_SECTIONS)] != list(TEMPLATE_SECTIONS):
+        problems.append(
+            f"{pr}: put the sections in the template's order: {', '.join(TEMPLATE_SECTIONS)}"
+        )
+    body, _, checklist = text.partition(f"<summary> {CHECKLIST_SUMMARY} </summary>")
+    if not checklist:
+        problems.append(
+            f"{pr}: add the template's checklist "
+            f"(<details><summary> {CHECKLIST_SUMMARY} </summary> ...)"
+        )
+    else:
+        items = [m.group(1) for m in map(_CHECKBOX.match, checklist.splitlines()) if m]
+        for item in CHECKLIST_ITEMS:
+            if not any(item in line for line in items):
+                problems.append(f"{pr}: add the checklist item '- [ ] {item} ...' of the template")
+    duplicate = _DUPLICATE_HEADING.search(body)
+    if duplicate is None:
+        problems.append(
+            f"{pr}: add a duplicate-work section ('## Duplicate-work check') citing the "
+            "related upstream pull requests (AGENTS.md)"
+        )
+    elif not _ISSUE_REF.search(body[duplicate.end() :]):
+        problems.append(
+            f"{pr}: cite the related upstream pull requests (#NNNNN) in the duplicate-work section"
+        )
+    if "AI assistance" not in body:
+        problems.append(
+            f"{pr}: add a statement that AI assistance was used and a human submitter "
+            "reviews the change (AGENTS.md)"
+        )
+    if not _SIGNED_OFF.search(body):
+        problems.append(f"{pr}: add a DCO line 'Signed-off-by: <name> <email>' (AGENTS.md)")
+    return problems
+
+
+def _patch_test_problems(patch: Path, kit_tests: Path) -> list[str]:
+    """Added lines of the patch's tests/ files that reach into the kit: ``kit``, or a
+    ``tests.`` module that resolves in the kit's own tests/ (vLLM's helpers, such as
+    ``tests.v1.core.utils``, do not: the kit has no tests/v1)."""
+    if not patch.is_file():
+        return [f"{patch}: missing; add the git diff against the release"]
+    problems = []
+    current = None
+    for number, line in enumerate(patch.read_text().splitlines(), 1):
+        if line.startswith("+++ "):
+            current = line[4:].removeprefix("b/")
+            continue
+        if current is None or not current.startswith("tests/"):
+            continue
+        if not line.startswith("+"):
+            continue
+        code = line[1:]
+        reason = None
+        if _KIT_IMPORT.search(code):
+            reason = "the kit"
+        elif m := _TESTS_IMPORT.match(code):
+            parts = m.group(1).split(".")[1:]
+            where = kit_tests.joinpath(*parts)
+            if where.with_suffix(".py").is_file() or where.is_dir():
+                reason = f"the kit's tests/{'/'.join(parts)}"
+        if reason:
+            problems.append(
+                f"{patch}:{number}: {current} imports {reason} ({code.strip()!r}); "
+                "use vLLM's own test helpers instead"
+            )
+    return problems
+
+
+def form_problems(root: Path = UPSTREAM, kit_tests: Path = ROOT / "tests") -> list[str]:
+    """What each folder under ``root`` lacks, read without running anything: one line
+    per problem, naming the file and what to add."""
+    problems = []
+    for manifest in sorted(root.glob("*/upstream.toml")):
+        problems += _pr_problems(manifest.parent / "PR.md")
+        problems += _patch_test_problems(manifest.parent / "fix.patch", kit_tests)
+    for rfc in sorted(root.glob("*/RFC.md")):
+        words = len(rfc.read_text().split())
+        if words > RFC_MAX_WORDS:
+            problems.append(f"{rfc}: {words} words; cut it to at most {RFC_MAX_WORDS}")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -222,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         f"compares against (default {UPSTREAM_SUITE_RESULTS.relative_to(ROOT)})",
     )
     args = parser.parse_args(argv)
+    problems = form_problems(UPSTREAM)
+    if problems:
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return 1
     if shutil.which("git") is None:
         print("error: git is not on PATH; install git (it applies the patches)", file=sys.stderr)
         return 2
