@@ -608,13 +608,14 @@ class SchedulerRig:
 
     def written_fix_exports(self, out) -> dict[str, list[int]] | None:
         """Of the step's ``mamba_checkpoint_exports``, the positions the builder
-        wrote (``record_writes`` ran the step), per request, as a worker reports them."""
+        wrote (``record_writes`` ran the step), per request, as a worker reports them:
+        a dict for every step with exports (None: a runner that does not report)."""
         planned = getattr(out, "mamba_checkpoint_exports", None) or {}
         written: dict[str, list[int]] = {}
         for req_id, position, block_id in self._written:
             if (position, block_id) in planned.get(req_id, {}).get(MAMBA_GROUP, ()):
                 written.setdefault(req_id, []).append(position)
-        return written or None
+        return written if planned else None
 
     def _resume_record(self, req: Request, hit: int) -> ResumeRecord:
         prefix = None

@@ -131,6 +131,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
 
         def __init__(self) -> None:
             torch.nn.Module.__init__(self)
+            self.conv_kernel_size = CONV_KERNEL
 
         def get_state_shape(self):
             return MambaStateShapeCalculator.mamba2_state_shape(
@@ -152,6 +153,7 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         "alignment": spec.prefill_checkpoint_alignment,
         "checkpoint_blocks": spec.num_prefill_checkpoint_blocks,
         "extra_exports": getattr(spec, "prefill_checkpoint_extra_exports", None),
+        "conv_window": getattr(spec, "prefill_checkpoint_conv_window", None),
     }
     # The same layer as the tree had it before the fix's Mamba2 exports.
     undeclared = replace(spec, prefill_checkpoint_extra_exports=False)
@@ -544,7 +546,13 @@ def kernels(on_tree, release_tree: trees.Tree, triton_env: Path) -> dict:
 def test_mamba2_declares_extra_exports(on_tree) -> None:
     """MambaMixer2's spec: vLLM's alignment-1 internal checkpoint, and now the
     fix's extra exports beside it."""
-    assert on_tree[0]["spec"] == {"alignment": 1, "checkpoint_blocks": 1, "extra_exports": True}
+    assert on_tree[0]["spec"] == {
+        "alignment": 1,
+        "checkpoint_blocks": 1,
+        "extra_exports": True,
+        # No export closer to its row's start than its conv window.
+        "conv_window": CONV_KERNEL - 1,
+    }
 
 
 def test_chunk_layout_cuts_at_every_export(on_tree) -> None:

@@ -398,3 +398,60 @@ def test_a_replayed_prompt_keeps_the_fix_states(tiny_model_dir, tree_is_patched)
         first = False
     replayed = set(rig.keyed_positions_of(a.request_id, MAMBA_GROUP))
     assert fix_states <= replayed, sorted(replayed)
+
+
+@pytest.mark.skipif(not FENCED, reason="no pending exports: the tree keys them at allocation")
+@pytest.mark.parametrize("running", ["preempted", "aborted"])
+def test_a_reset_with_exports_in_flight_succeeds_and_keys_nothing(
+    tiny_model_dir, tree_is_patched, running: str
+) -> None:
+    """A prefix-cache reset (weights reloaded, sleep, ``/reset_prefix_cache``) while a
+    step with exports is in flight (AsyncScheduler, pipeline parallel) succeeds as
+    it does without the fix: the pending exports, released once the step is
+    processed, are not in use for it. What that step reports written afterwards
+    was computed before the reset and gets no key."""
+    needs(FIX, tree_is_patched)
+    from vllm.v1.request import RequestStatus
+
+    rig = make_rig(tiny_model_dir, tree_is_patched, overlapping=True)
+    a = rig.make_request(PROMPT, max_tokens=3)
+    rig.scheduler.add_request(a)
+    step = Step(rig)
+    block = rig.manager.block_pool.blocks[step.export_block(FIX)]
+    if running == "aborted":
+        rig.scheduler.finish_requests(a.request_id, RequestStatus.FINISHED_ABORTED)
+    assert rig.scheduler.reset_prefix_cache(reset_running_requests=running == "preempted")
+    step.forward()
+    step.finish(written=step.written())
+    assert block.block_hash is None and block.ref_cnt == 0
+    if not a.is_finished():
+        rig.scheduler.finish_requests(a.request_id, RequestStatus.FINISHED_ABORTED)
+    b = rig.run(follow_up(FIX))
+    assert b.hit < FIX and b.resumed_from_own_prefix(), b.hit
+
+
+@pytest.mark.skipif(not FENCED, reason="no report: the tree keys exports at allocation")
+def test_a_runner_that_does_not_report_falls_back_to_chunk_ends(
+    tiny_model_dir, tree_is_patched
+) -> None:
+    """A model runner that never fills ``mamba_checkpoint_exports_written`` (None;
+    one that reports gives a dict, empty when nothing was written): vLLM's
+    standalone CPU runner, an out-of-tree runner. Nothing it exports could ever be
+    keyed, so its first such step turns the exports off: from then on the fix's
+    states are chunk ends (the split path), as for a layer that writes one state
+    per row, and a follow-up resumes at them."""
+    needs(FIX, tree_is_patched)
+    rig = make_rig(tiny_model_dir, tree_is_patched)
+    rig.written_fix_exports = lambda out: None
+    a = rig.make_request(PROMPT)
+    rig.scheduler.add_request(a)
+    step = Step(rig)
+    assert step.fix_positions(a) == [FIX]
+    step.forward()
+    step.finish()
+    other = list(range(5000, 5200))
+    b = rig.run(other)
+    assert not rig.fix_exports.get(b.request_id) and FIX in rig.chunk_ends[b.request_id]
+    tail = 0 if LOOKAHEAD else GEO.unit
+    c = rig.run(other[: FIX + tail + 4] + FOLLOW_UP_TAIL)
+    assert c.hit == FIX and c.resumed_from_own_prefix(), c.hit
