@@ -468,6 +468,39 @@ def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...
     return tuple(sorted({p for p in wanted if p > 0 and p % case.block}))
 
 
+def retained_block_state(
+    position: int, prompt_len: int, block: int, eagle_drop: bool, retention: int | None
+) -> bool:
+    """Whether the Mamba manager keys a block-aligned state at ``position`` of a
+    ``prompt_len``-token prompt under ``prefix_cache_retention_interval``
+    ``retention`` (vLLM's ``MambaManager.reachable_block_mask`` with the
+    coordinator's ``replay_boundaries``, the same in 0.32.0 and 0.34.0):
+
+    - ``None`` (dense, ``KVCacheConfig``'s default): every block it reaches;
+    - ``0`` (``vllm serve``'s default, ``CacheConfig``'s): only the replay
+      boundaries, ``floor((N-1)/B)*B`` without the EAGLE drop, else one block
+      below ``floor((N-1)/B)*B`` and below ``floor(N/B)*B``;
+    - ``R`` > 0, a multiple of B: those and every multiple of R (R = B: dense).
+
+    ``eagle_drop``: the coordinator drops EAGLE's block (speculation with the
+    0.32.0 hashing; lookahead hashes drop nothing). Not modelled: the block of a
+    shared-prefix junction, which only a producer that resumed from a hit has.
+    Checked against the real scheduler of 0.32.0 and 0.34.0 (docs/retention.md).
+    """
+    if retention is None or (retention and retention // block <= 1):
+        return True
+    if retention and position % retention == 0:
+        return True
+    if eagle_drop:
+        replay = {
+            max((prompt_len - 1) // block * block - block, 0),
+            max(prompt_len // block * block - block, 0),
+        }
+    else:
+        replay = {(prompt_len - 1) // block * block}
+    return position in replay - {0}
+
+
 class ProducerStates(NamedTuple):
     """A's prefill, its published partial Mamba states, and every Mamba state it leaves."""
 
@@ -477,15 +510,27 @@ class ProducerStates(NamedTuple):
 
 
 def producer_states(
-    case: Case, patched: bool, lookahead: int = 0, resume: int = 0, junction: int = 0
+    case: Case,
+    patched: bool,
+    lookahead: int = 0,
+    resume: int = 0,
+    junction: int = 0,
+    retention: int | None = None,
 ) -> set[int]:
     """The positions at which producer A leaves a Mamba state in the cache (A resumed
-    at ``resume``, vLLM stopping at ``junction``: see ``producer_prefill``)."""
-    return _producer_states(case, patched, lookahead if case.eagle else 0, resume, junction).states
+    at ``resume``, vLLM stopping at ``junction``: see ``producer_prefill``;
+    ``retention``: see ``retained_block_state``)."""
+    lookahead = lookahead if case.eagle else 0
+    return _producer_states(case, patched, lookahead, resume, junction, retention).states
 
 
 def _producer_states(
-    case: Case, patched: bool, lookahead: int, resume: int = 0, junction: int = 0
+    case: Case,
+    patched: bool,
+    lookahead: int,
+    resume: int = 0,
+    junction: int = 0,
+    retention: int | None = None,
 ) -> ProducerStates:
     b = case.block
     prefill = producer_prefill(case, patched, lookahead, resume, junction)
@@ -504,14 +549,33 @@ def _producer_states(
         | set(mamba_partials)
         | set(exported)
     )
+    if retention is not None:
+        # The prompt checkpoint and the fix's positions are keyed on their own
+        # (``_cache_partial_tail_block``: a chunk end there, or an export), block
+        # boundary or not; other block-aligned states only where the mask keeps them.
+        eagle_drop = case.eagle and not lookahead
+        own = {cp.tail, *cp.extra(), *prefill.fix_exports}
+        states = {
+            p
+            for p in states
+            if p % b
+            or p in own
+            or retained_block_state(p, case.producer_len, b, eagle_drop, retention)
+        }
     return ProducerStates(prefill, mamba_partials, states)
 
 
-def expected(case: Case, patched: bool, lookahead: int = 0) -> Expected:
-    """``lookahead``: tokens each hash covers past its unit (0: the 0.32.0 hashing)."""
+def expected(
+    case: Case, patched: bool, lookahead: int = 0, retention: int | None = None
+) -> Expected:
+    """``lookahead``: tokens each hash covers past its unit (0: the 0.32.0 hashing);
+    ``retention``: vLLM's ``prefix_cache_retention_interval`` (None: dense, the
+    scheduler rig's default; 0: ``vllm serve``'s; see ``retained_block_state``)."""
     b, h, s = case.block, case.unit, case.shared
     lookahead = lookahead if case.eagle else 0
-    prefill, mamba_partials, states = _producer_states(case, patched, lookahead)
+    prefill, mamba_partials, states = _producer_states(
+        case, patched, lookahead, retention=retention
+    )
     ends = prefill.ends
     # B's keys match while their lookahead tokens are shared too.
     base = lookahead_ideal(case, lookahead) if lookahead else s // h * h

@@ -78,10 +78,17 @@ FAILING = ("DIFFERS", "STALE STATE")
 
 
 def measure(
-    model_dir: Path, fix: bool, lookahead_hashes: bool = True, checkpoints: str = "split"
+    model_dir: Path,
+    fix: bool,
+    lookahead_hashes: bool = True,
+    checkpoints: str = "split",
+    retention: int | None = None,
 ) -> dict:
     """Run in a process whose ``vllm`` is the tree under test (``trees.prepare`` done);
-    ``checkpoints``: the regime."""
+    ``checkpoints``: the regime; ``retention``: vLLM's ``prefix_cache_retention_interval``
+    for the grid's pairs (None, the default: dense, as every committed table; 0:
+    ``vllm serve``'s default; docs/retention.md). Each row records it, and the
+    verdicts read it (the geometry model's ``retention``); the later turns stay dense."""
     import vllm
 
     from kit.rig.sched_harness import cache_geometry, run_case, tree_exports_block_boundary
@@ -90,7 +97,9 @@ def measure(
     geometry = {}
     boundary = tree_exports_block_boundary()
     for case_id, case in all_cases(checkpoints):
-        rig, a, b, bounds = run_case(model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes)
+        rig, a, b, bounds = run_case(
+            model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes, retention=retention
+        )
         rows[case_id] = {
             "a_chunk_ends": rig.chunk_ends[a.request_id],
             "fa_match": bounds.fa_match,
@@ -111,6 +120,8 @@ def measure(
             # Whether the fix exports the last block boundary (else only a chunk end).
             "fix_exports_block_boundary": boundary,
         }
+        if retention is not None:
+            rows[case_id]["retention"] = retention
         geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
     return {
         "vllm_file": vllm.__file__,
@@ -244,7 +255,8 @@ def verdict(case: Case, row: dict, patched: bool | None) -> str:
     lookahead = row["hash_lookahead"]
     if (
         patched is not None
-        and row["hit"] != expected(as_measured(case, row), patched, lookahead).hit
+        and row["hit"]
+        != expected(as_measured(case, row), patched, lookahead, row.get("retention")).hit
     ):
         return "DIFFERS"
     return "ok" if row["hit"] >= lookahead_ideal(case, lookahead) else "loss"
@@ -308,7 +320,9 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
                 "verdict": verdict(case, row, patched),
             }
             if patched is not None:
-                model = expected(as_measured(case, row), patched, row["hash_lookahead"])
+                model = expected(
+                    as_measured(case, row), patched, row["hash_lookahead"], row.get("retention")
+                )
                 cell["expected"] = model.hit
             line[column(data, hashing)] = cell
         for hashing in paired:

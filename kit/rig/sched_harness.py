@@ -100,8 +100,33 @@ def model_config(model_dir: str) -> ModelConfig:
     )
 
 
+# ``prefix_cache_retention_interval`` when a rig is not told one: vLLM's
+# ``KVCacheConfig`` default, dense retention (every chunk end keeps its state). A
+# ``vllm serve`` runs ``CacheConfig``'s default instead, 0: only the replay
+# boundaries and shared-prefix junctions (docs/retention.md).
+DENSE = None
+
+
+def check_retention(retention: int | None, geo: Geometry) -> None:
+    """0, None (dense) or a positive multiple of the scheduler block size (the
+    physical block here: both groups share it), as vLLM's coordinator requires."""
+    if retention is None:
+        return
+    if isinstance(retention, bool) or not isinstance(retention, int):
+        raise TypeError(f"retention {retention!r}: 0, None or a multiple of {geo.block}")
+    if retention < 0 or retention % geo.block:
+        raise ValueError(
+            f"retention {retention}: 0, None (dense) or a positive multiple of the "
+            f"scheduler block size {geo.block}"
+        )
+
+
 def build_vllm_config(
-    model_dir: Path, geo: Geometry, fix: bool = False, lookahead_hashes: bool = True
+    model_dir: Path,
+    geo: Geometry,
+    fix: bool = False,
+    lookahead_hashes: bool = True,
+    retention: int | None = DENSE,
 ) -> VllmConfig:
     mc = model_config(str(model_dir))
     spec = None
@@ -136,6 +161,7 @@ def build_vllm_config(
             enable_prefix_caching=True,
             mamba_cache_mode="align",
             prefix_match_unit=geo.unit,
+            prefix_cache_retention_interval=retention,
             **(fix_switches() if fix else {}),
         ),
         speculative_config=spec,
@@ -191,9 +217,12 @@ def extra_exports(geo: Geometry) -> dict[str, bool]:
     }
 
 
-def kv_cache_config(geo: Geometry, num_blocks: int) -> KVCacheConfig:
+def kv_cache_config(geo: Geometry, num_blocks: int, retention: int | None = DENSE) -> KVCacheConfig:
+    """``retention``: ``prefix_cache_retention_interval`` (None: dense, 0: semantic
+    checkpoints only, as ``vllm serve`` runs; a multiple of the block: periodic)."""
     return KVCacheConfig(
         num_blocks=num_blocks,
+        prefix_cache_retention_interval=retention,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
@@ -351,16 +380,21 @@ class SchedulerRig:
         fix: bool = False,
         lookahead_hashes: bool = True,
         mamba_spec: MambaSpec | None = None,
+        retention: int | None = DENSE,
     ) -> None:
         """``fix`` turns on fix-eagle-fine-prefix's switch (only the patched tree has it);
         ``lookahead_hashes=False``: releases after 0.32.0 with their legacy hashing;
         ``mamba_spec``: a real layer's spec for the Mamba group (e.g. Mamba2's,
-        ``kit.rig.nemotron_h``) instead of the one the geometry's regime declares."""
+        ``kit.rig.nemotron_h``) instead of the one the geometry's regime declares;
+        ``retention``: ``prefix_cache_retention_interval`` in both the CacheConfig and
+        the KVCacheConfig (None, the default: dense; 0: ``vllm serve``'s default)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         init_none_hash(sha256)
+        check_retention(retention, geo)
         self.geo = geo
-        self.vllm_config = build_vllm_config(model_dir, geo, fix, lookahead_hashes)
-        self.kv_cache_config = kv_cache_config(geo, num_blocks)
+        self.retention = retention
+        self.vllm_config = build_vllm_config(model_dir, geo, fix, lookahead_hashes, retention)
+        self.kv_cache_config = kv_cache_config(geo, num_blocks, retention)
         if mamba_spec is not None:
             if mamba_spec.block_size != geo.block:
                 raise ValueError(
@@ -652,10 +686,12 @@ def run_case(
     fix: bool = False,
     lookahead_hashes: bool = True,
     mamba_spec: MambaSpec | None = None,
+    retention: int | None = DENSE,
 ) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
     """Run producer A to completion, measure B's per-group boundaries, then run B.
 
     ``fix`` turns on the patched tree's switch; on the unpatched tree it fails loudly.
+    ``retention``: ``prefix_cache_retention_interval`` (None: dense, the default).
     """
     return run_pair(
         model_dir,
@@ -664,6 +700,7 @@ def run_case(
         fix=fix,
         lookahead_hashes=lookahead_hashes,
         mamba_spec=mamba_spec,
+        retention=retention,
     )
 
 
@@ -675,6 +712,7 @@ def run_pair(
     fix: bool = False,
     lookahead_hashes: bool = True,
     mamba_spec: MambaSpec | None = None,
+    retention: int | None = DENSE,
 ) -> tuple[SchedulerRig, ResumeRecord, ResumeRecord, Boundaries]:
     """``run_case`` for prompts other than the grid's: the case gives the cache geometry."""
     rig = SchedulerRig(
@@ -683,6 +721,7 @@ def run_pair(
         fix=fix,
         lookahead_hashes=lookahead_hashes,
         mamba_spec=mamba_spec,
+        retention=retention,
     )
     a = rig.run(a_tokens)
     bounds = rig.boundaries(b_tokens)
