@@ -45,3 +45,12 @@ def result_blocks(report: dict, pooled_caption: str) -> list[str]:
         *engine_lines(report),
         *step_log.lines(report.get("engine_steps")),
     ]
+
+
+def retention_text(geo: dict) -> str:
+    """The servers' prefix-cache retention as a bundle's geometry records it (older
+    bundles and servers that do not export it: not recorded)."""
+    if "retention" not in geo:
+        return "retention not recorded"
+    value = geo["retention"]
+    return "retention dense" if value is None else f"retention {value}"

@@ -184,25 +184,34 @@ def one_request_times(
     return out
 
 
-def parse_cache_config_info(text: str) -> dict[str, int]:
-    """Block size and match unit from ``vllm:cache_config_info``.
+def parse_cache_config_info(text: str) -> dict[str, int | None]:
+    """Block size, match unit and, where the server exports it, retention from
+    ``vllm:cache_config_info``.
 
     ``block_size`` is the resolved block (vLLM raises it until an attention page
     holds a Mamba state; in align mode the Mamba block follows it). The API
     server's ``mamba_block_size`` label can still show the value asked for, so
-    it is not used.
+    it is not used. ``retention`` is ``prefix_cache_retention_interval`` (0, the
+    server default: semantic checkpoints only; None: dense; a positive interval),
+    which decides which Mamba block states stay keyed (``geometry_model.expected``).
     """
     for name, labels, _ in samples(text):
         if name == "vllm:cache_config_info":
             block = labels.get("block_size", "")
             unit = labels.get("prefix_match_unit", "")
-            if block.isdigit() and unit.isdigit():
-                return {"block": int(block), "unit": int(unit)}
-            raise MetricsError(f"vllm:cache_config_info lacks block sizes: {labels}")
+            if not (block.isdigit() and unit.isdigit()):
+                raise MetricsError(f"vllm:cache_config_info lacks block sizes: {labels}")
+            found: dict[str, int | None] = {"block": int(block), "unit": int(unit)}
+            retention = labels.get("prefix_cache_retention_interval")
+            if retention is not None:
+                if retention != "None" and not retention.isdigit():
+                    raise MetricsError(f"vllm:cache_config_info: retention {retention!r}")
+                found["retention"] = None if retention == "None" else int(retention)
+            return found
     raise MetricsError("/metrics has no vllm:cache_config_info")
 
 
-def cache_config_info(base_url: str) -> dict[str, int]:
+def cache_config_info(base_url: str) -> dict[str, int | None]:
     with urlopen(base_url + "/metrics", timeout=30) as resp:
         return parse_cache_config_info(resp.read().decode())
 

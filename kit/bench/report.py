@@ -15,7 +15,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from kit import bundle
-from kit.bench.md_blocks import kernels_line, result_blocks
+from kit.bench.md_blocks import kernels_line, result_blocks, retention_text
 from kit.bench.ttft_stats import ratio_text
 
 
@@ -71,6 +71,7 @@ def render(bundles: list[Path]) -> str:
             "",
             f"Checkpoint path {report['path']} (regime {geo['checkpoints']}, step budget "
             f"{geo['budget']}); B_phys {geo['block']}, H {geo['unit']}, MTP k={geo['num_spec']}, "
+            f"{retention_text(geo)}, "
             f"{report['reps']} repetitions; prompt pair: {report['prompt_pair']}.",
             "",
             *kernels_line(report),

@@ -60,7 +60,7 @@ from kit import bundle
 from kit.bench import one_server, regime_fit, step_log
 from kit.bench import plan as bench_plan
 from kit.bench.bench_lock import BenchBusy, bench_lock
-from kit.bench.md_blocks import kernels_line, result_blocks
+from kit.bench.md_blocks import kernels_line, result_blocks, retention_text
 from kit.bench.openai_client import MetricsError, RequestError, served_release
 from kit.bench.plan import BenchPlan, BenchPlanError
 from kit.bench.serve import Server, ServerError, server_command, server_env, wait_healthy
@@ -416,7 +416,8 @@ def markdown(report: dict) -> str:
             "",
             f"Checkpoint path: **{report['path']}** (geometry regime {geo['checkpoints']}; "
             f"step budget {geo['budget']}; block {geo['block']}, H {geo['unit']}, "
-            f"MTP k={geo['num_spec']}; {env or 'no checkpoint variable'}).",
+            f"MTP k={geo['num_spec']}; {retention_text(geo)}; "
+            f"{env or 'no checkpoint variable'}).",
             *regimes_line(report["checkpoints"].get("by_tree")),
             "",
             servers_line(report.get("one_server"), report.get("pairing")),

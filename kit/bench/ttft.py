@@ -134,6 +134,7 @@ def pair_requests(
             bench_case(replace(geo, checkpoints=regime), shared),
             patched=server.fix,
             lookahead=geo.hash_lookahead,
+            retention=geo.retention,
         ).hit
         for regime in REGIMES
     }
@@ -200,6 +201,7 @@ def geometry_from(
         budget,
         checkpoints=checkpoints,
         hash_lookahead=hash_lookahead,
+        retention=reported.get("retention"),
     )
 
 

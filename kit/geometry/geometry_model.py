@@ -65,6 +65,10 @@ class Geometry:
     # servers hash (serve_args.hash_lookahead); the bench passes it to expected() and
     # prompt_checkpoint(), and the scheduler rig passes vLLM's own value to those.
     hash_lookahead: int = 0
+    # vLLM's prefix_cache_retention_interval where the bench's servers report it (0:
+    # vllm serve's default; None: dense, the scheduler rig's default): the bench
+    # passes it to expected(), so its hits are predicted under the servers' retention.
+    retention: int | None = None
 
     def __post_init__(self) -> None:
         if self.hash_lookahead < 0 or (self.hash_lookahead and not self.num_spec):

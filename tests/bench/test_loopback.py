@@ -71,3 +71,10 @@ def test_metrics_with_timestamps_inf_and_braces_in_labels() -> None:
         "vllm:prefix_cache_queries_total": float("inf"),
     }
     assert parse_cache_config_info(METRICS) == {"block": 2048, "unit": 16}
+    # A server that exports its retention has it recorded (0, None or an interval).
+    for label, value in (("0", 0), ("None", None), ("4096", 4096)):
+        text = METRICS.replace(
+            'prefix_match_unit="16"',
+            f'prefix_match_unit="16",prefix_cache_retention_interval="{label}"',
+        )
+        assert parse_cache_config_info(text)["retention"] == value

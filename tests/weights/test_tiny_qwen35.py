@@ -176,4 +176,9 @@ def test_follow_up_hits_as_the_geometry_predicts(server: Server, shared: int) ->
 @pytest.mark.slow
 def test_block_is_the_cpu_defaults(server: Server) -> None:
     # Same GDN state sizes and the same pinned SSM dtype as the Qwen3-Next default.
-    assert cache_config_info(server.url) == {"block": serve_args.CPU_BLOCK, "unit": UNIT}
+    # Retention 0: vllm serve's default, which the bench records and predicts under.
+    assert cache_config_info(server.url) == {
+        "block": serve_args.CPU_BLOCK,
+        "unit": UNIT,
+        "retention": 0,
+    }
