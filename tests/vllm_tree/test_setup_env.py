@@ -59,11 +59,9 @@ def test_light_setup_runs_the_gpu_flow_without_vllm_or_torch(tmp_path: Path, mon
     assert (venv / ".kit-setup.json").read_text() == stamp
 
 
-def _light_setup(
-    tmp_path: Path, monkeypatch, arch: str, python: tuple[int, int]
-) -> tuple[int, list[list[str]]]:
-    """`setup_env.main(["--light"])` as it runs on an `arch` host under `python`, with
-    every command recorded instead of run (nothing installed, nothing fetched)."""
+def _as_host(tmp_path: Path, monkeypatch, arch: str, python: tuple[int, ...]) -> Path:
+    """Make setup_env see an ``arch`` machine running ``python``, its venv in
+    ``tmp_path``; returns the venv's path (not created)."""
     venv = tmp_path / "venv"
     monkeypatch.setattr(setup_env, "VENV", venv)
     monkeypatch.setattr(setup_env, "PY", venv / "bin" / "python")
@@ -76,6 +74,15 @@ def _light_setup(
         stderr=sys.stderr,
     )
     monkeypatch.setattr(setup_env, "sys", fake_sys)
+    return venv
+
+
+def _light_setup(
+    tmp_path: Path, monkeypatch, arch: str, python: tuple[int, int]
+) -> tuple[int, list[list[str]]]:
+    """`setup_env.main(["--light"])` as it runs on an `arch` host under `python`, with
+    every command recorded instead of run (nothing installed, nothing fetched)."""
+    venv = _as_host(tmp_path, monkeypatch, arch, python)
     monkeypatch.setattr(setup_env, "purelib", lambda: tmp_path)
     commands: list[list[str]] = []
 
@@ -140,22 +147,11 @@ def _cpu_setup(tmp_path: Path, monkeypatch, arch: str) -> tuple[int, list[list[s
     """`setup_env.main([])` (make setup) as it runs on an `arch` machine, with every
     command recorded instead of run; returns the exit status, the commands and the
     text of each requirements file pip was given (read while it still exists)."""
-    venv = tmp_path / "venv"
-    monkeypatch.setattr(setup_env, "VENV", venv)
-    monkeypatch.setattr(setup_env, "PY", venv / "bin" / "python")
-    monkeypatch.setattr(setup_env, "STAMP", venv / ".kit-setup.json")
-    monkeypatch.setattr(setup_env.platform, "machine", lambda: arch)
+    python = tuple(int(x) for x in str(pins.get("cpu.python")).split("."))
+    venv = _as_host(tmp_path, monkeypatch, arch, python)
     monkeypatch.setattr(setup_env, "kit_installed", lambda: True)
     monkeypatch.delenv("KIT_WHEELHOUSE", raising=False)
     monkeypatch.delenv("TORCH_INDEX", raising=False)
-    python = tuple(int(x) for x in str(pins.get("cpu.python")).split("."))
-    fake_sys = types.SimpleNamespace(
-        version_info=(*python, 0, "final", 0),
-        version=f"{python[0]}.{python[1]}.0 (fake)",
-        executable=sys.executable,
-        stderr=sys.stderr,
-    )
-    monkeypatch.setattr(setup_env, "sys", fake_sys)
     commands: list[list[str]] = []
     given: list[str] = []
 
