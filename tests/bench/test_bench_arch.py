@@ -372,7 +372,8 @@ def test_bench_cpu_image_refuses_bench_args() -> None:
     assert "make bench-cpu BENCH_ARGS" in refused
     assert "takes no BENCH_ARGS" not in _make_n("bench-cpu-image")
     # The host bench passes them on.
-    assert f"bench --reps 10  --arch {Q35}" in _make_n("bench-cpu", f"BENCH_ARGS=--arch {Q35}")
+    made = " ".join(_make_n("bench-cpu", f"BENCH_ARGS=--arch {Q35}").split())
+    assert f"bench --reps 10 --arch {Q35}" in made
 
 
 # --- turn-cost: one file per path ---------------------------------------------------
