@@ -90,3 +90,39 @@ def test_the_results_guard_names_a_rewritten_or_removed_committed_file(tmp_path:
     after = results_guard.committed(tmp_path)
     touched = results_guard.changed(before, after)
     assert touched == ["results/removed.json", "results/rewritten.json"]
+
+
+def test_a_relative_results_root_is_the_callers(tmp_path: Path, monkeypatch) -> None:
+    """make test passes .cache/... relative to the checkout; the suites' pytest runs in
+    the sdist's test folder, so the runner must resolve it where it was called (it once
+    wrote the JUnit files there and read them here: FileNotFoundError)."""
+    from kit.vllm_tree import releases, sdists, upstream_suite
+
+    seen: list[Path] = []
+
+    def results_dir(root: Path, version: str) -> Path:
+        seen.append(root)
+        raise OSError("stop here")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(releases, "resolve", lambda release: "0.32.0")
+    monkeypatch.setattr(sdists, "release", lambda version, explicit=None: tmp_path)
+    monkeypatch.setattr(upstream_suite, "extract_tests", lambda sdist, version: tmp_path)
+    monkeypatch.setattr(releases, "results_dir", results_dir)
+    assert upstream_suite.main(["--results-root", ".cache/test-results/upstream-suite"]) == 2
+    assert seen == [tmp_path / ".cache/test-results/upstream-suite"]
+    # upstream_check's options, read off its parser as its main builds it.
+    import argparse
+
+    actions: list = []
+
+    def capture(parser, args=None, namespace=None):
+        actions.extend(parser._actions)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        upstream_check.main([])
+    for option in ("--out", "--suite-results"):
+        action = next(a for a in actions if option in a.option_strings)
+        assert action.type("x/y.json") == tmp_path / "x/y.json", option

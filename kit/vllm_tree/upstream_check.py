@@ -334,10 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-suite", action="store_true", help="skip step 4 (vLLM's v1 core suite per patch)"
     )
-    parser.add_argument("--out", type=Path, default=OUT, help=f"default {OUT.relative_to(ROOT)}")
+    parser.add_argument(
+        "--out",
+        type=upstream_suite.absolute_path,
+        default=OUT,
+        help=f"default {OUT.relative_to(ROOT)}",
+    )
     parser.add_argument(
         "--suite-results",
-        type=Path,
+        type=upstream_suite.absolute_path,
         default=UPSTREAM_SUITE_RESULTS,
         help="the results root of the upstream-suite run whose pristine outcomes step 4 "
         f"compares against (default {UPSTREAM_SUITE_RESULTS.relative_to(ROOT)})",

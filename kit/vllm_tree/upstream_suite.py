@@ -269,6 +269,12 @@ def flow_run_of(under_test: dict[str, trees.Tree]) -> Path | None:
     return None
 
 
+def absolute_path(text: str) -> Path:
+    """A path option as given from the caller's folder: the suites' pytest runs in the
+    sdist's test folder, where a relative JUnit path would land somewhere else."""
+    return Path(text).resolve()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -281,13 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=absolute_path,
         help="a folder (default: <--results-root>, a release other than the pinned one in "
         "its <release>/ folder)",
     )
     parser.add_argument(
         "--results-root",
-        type=Path,
+        type=absolute_path,
         default=UPSTREAM_SUITE_RESULTS,
         help="the folder the release's outputs go under (default: results/upstream-suite, "
         "the committed record; make test names one under .cache/ so a test run leaves the "
