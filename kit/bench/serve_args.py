@@ -172,10 +172,11 @@ def client_release() -> str | None:
     return mods.tree_version(package)[0] if package else None
 
 
-def fix_flags(target: str) -> list[str]:
-    """The patched server's switches: those of the mods made for the vLLM this
-    process finds."""
-    return [m.manifest["enable_flag"] for m in mods.switched_mods(target, client_release())]
+def fix_flags(target: str, release: str | None = None) -> list[str]:
+    """The patched server's switches: those of the mods made for ``release`` (default:
+    the vLLM this process finds)."""
+    release = release or client_release()
+    return [m.manifest["enable_flag"] for m in mods.switched_mods(target, release)]
 
 
 def hashes_with_lookahead(package: Path | None) -> bool:
@@ -186,11 +187,14 @@ def hashes_with_lookahead(package: Path | None) -> bool:
     return bool(source and source.is_file() and "num_hash_lookahead_tokens" in source.read_text())
 
 
-def hash_lookahead(args: list[str], num_spec: int, drafter_lookahead: int) -> int:
+def hash_lookahead(
+    args: list[str], num_spec: int, drafter_lookahead: int, package: Path | None = None
+) -> int:
     """vLLM's ``num_hash_lookahead_tokens`` for servers started with ``args`` by the
-    vLLM this process finds: the drafter's lookahead where that release hashes with
-    it, under speculative decoding, unless the speculative config turns it off."""
-    if not num_spec or not hashes_with_lookahead(installed_vllm()):
+    vLLM ``package`` (default: the one this process finds): the drafter's lookahead
+    where that release hashes with it, under speculative decoding, unless the
+    speculative config turns it off."""
+    if not num_spec or not hashes_with_lookahead(package or installed_vllm()):
         return 0
     spec = {}
     if "--speculative-config" in args:

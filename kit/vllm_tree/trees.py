@@ -86,6 +86,9 @@ class Tree:
     from_sdist: bool = False  # the package is the release's sdist sources (no wheel)
     stock: bool = False  # the release as installed: no mod, not what the model describes
     in_environment: bool = False  # the environment's own vllm (the images'), already on path
+    # What a server on this tree needs beyond ``env`` (releases.serve_env): vLLM 0.34.0
+    # serves the CPU default under Triton's interpreter; its tests run as they are.
+    serve_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def release(self) -> str:

