@@ -209,8 +209,11 @@ STRESS_SEEDS ?= 20
 stress: setup ## many requests over one context on every checkpoint path, every chunk checked (STRESS_SEEDS= per geometry)
 	@for tree in $(TREE_NAMES); do echo "== $$tree"; $(VENV_PY) -m kit.rig.stress --tree $$tree --seeds $(STRESS_SEEDS) || exit 1; done
 
-regress: setup ## geometry table on a release's stock, unpatched and patched trees, under results/regression (VLLM=<a release in pins.toml>|newest: that one, in results/regression/<release> unless it is the pinned one)
-	$(KIT) regress $(if $(VLLM),--vllm $(VLLM))
+# var RETENTION: the prefix-cache retention make regress runs its grid at (unset or dense: dense, the committed tables; 0: vllm serve's default; N: every N blocks), tables in a retention-<0|N-blocks>/ folder unless dense
+RETENTION ?=
+
+regress: setup ## geometry table on a release's stock, unpatched and patched trees, under results/regression (VLLM=<a release in pins.toml>|newest: that one, in results/regression/<release> unless it is the pinned one; RETENTION=0|N: at that retention, in a retention-<0|N-blocks>/ folder below)
+	$(KIT) regress $(if $(VLLM),--vllm $(VLLM)) $(if $(RETENTION),--retention=$(RETENTION))
 
 upstream-suite: setup ## vLLM's own tests/v1/core (and the worker tests of the modded files) on the pristine, unpatched and patched trees (VLLM=0.33.0|0.34.0|newest: a later release's)
 	$(KIT) upstream-suite $(if $(VLLM),--vllm $(VLLM))

@@ -17,6 +17,10 @@ chunk ends and exports are the unpatched tree's; the sibling never resumes
 lower than without the fix. Used by ``kit.rig.regress`` for every release
 (``make regress [VLLM=...]``, ``tests/rig/test_releases.py``);
 ``tests/regression/test_conversation.py`` checks the tree under test the same way.
+
+Always at dense prefix-cache retention (``RETENTION``), whatever retention
+``make regress`` runs its grid at: a table at another retention says so above its
+later turns (docs/retention.md).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ USER_LENS = (44, 100, 200)
 # does not matter to the hit; one offset off the unit's ends).
 INTO_LAST_UNIT = 7
 SIBLING_MESSAGE = 48
+# vLLM's prefix_cache_retention_interval the turns run at: None, dense (the rig's
+# default), whatever retention the grid beside them runs at.
+RETENTION = None
 
 
 def user_message(turn: int, length: int) -> list[int]:
@@ -89,7 +96,13 @@ def measure(model_dir: Path, fix: bool, lookahead_hashes: bool, checkpoints: str
         for num_spec in NUM_SPECS:
             for user_len in USER_LENS:
                 geometry = Geometry(block, UNIT, num_spec, checkpoints=checkpoints)
-                rig = SchedulerRig(model_dir, geometry, fix=fix, lookahead_hashes=lookahead_hashes)
+                rig = SchedulerRig(
+                    model_dir,
+                    geometry,
+                    fix=fix,
+                    lookahead_hashes=lookahead_hashes,
+                    retention=RETENTION,
+                )
                 lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
                 _, turn = converse(rig, SYSTEM_LEN, turns=2, user_len=user_len)
                 n = len(turn.prompt)
@@ -183,6 +196,11 @@ def summary(rows: list[dict]) -> dict[str, int]:
     return dict(Counter(r["verdict"] for r in rows))
 
 
+def retention_words() -> str:
+    """``RETENTION`` as the later-turn table names it."""
+    return "dense" if RETENTION is None else f"interval {RETENTION}"
+
+
 def render(hashing: str, rows: list[dict]) -> list[str]:
     """``verdicts``' rows as a Markdown table under a line naming the ``hashing``."""
     from tabulate import tabulate
@@ -204,7 +222,8 @@ def render(hashing: str, rows: list[dict]) -> list[str]:
     headers = ["block", "k", "message", "pred. - hit", "fix state", "chunks u/p"]
     headers += ["in-step exports u/p", "sibling hit u/p", "verdict"]
     return [
-        f"Later turns, {hashing} (kit/rig/later_turns.py): a turn keeps its predecessor "
+        f"Later turns, {hashing}, {retention_words()} retention (kit/rig/later_turns.py): "
+        "a turn keeps its predecessor "
         f"only {FIX_MIN_GAIN} or more above its hit, and a sibling resumes there; left "
         "out, the turn's chunk ends and in-step exports are the unpatched tree's; the "
         "sibling never resumes lower than unpatched.",

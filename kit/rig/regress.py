@@ -44,10 +44,19 @@ One failure rule (``failures``): the run fails (exit 1) on a ``DIFFERS`` or
 ``STALE STATE`` on unpatched or patched, a case the fix makes ``WORSE``, a later
 turn that is not ``ok``, or a cache geometry that is not the same on every tree.
 
+Prefix-cache retention (vLLM's ``prefix_cache_retention_interval``, docs/retention.md)
+is one more dimension (``--retention``, ``make regress RETENTION=``): ``dense``
+(``DEFAULT_RETENTION``, every committed table before it: every block state a chunk
+end reaches), ``0`` (``vllm serve``'s default: replay boundaries only) or ``N``
+(every N blocks of each case's block size: the grid's blocks differ, and vLLM takes
+only a multiple of the block). Each row records the interval it ran at and the
+verdicts read it; the later turns stay dense whatever the grid's (their table says so).
+
 Results: ``regression.json`` and ``regression.md`` per regime and ``grid.png``
 under ``--out`` (default ``results/regression/``, a release other than the pinned
-one in its ``<release>/`` folder: ``releases.results_dir``); the split regime at
-the top, the internal ones in ``internal-1/`` and ``internal-grid/``. Where the
+one in its ``<release>/`` folder, a retention other than the default in a
+``retention-<0|N-blocks>/`` folder below that: ``releases.regression_dir``); the
+split regime at the top, the internal ones in ``internal-1/`` and ``internal-grid/``. Where the
 patched tree moves a backend from the split path into the pass, the split table
 also pairs the two regimes as its users meet them (``kit.rig.moved_to_pass``).
 """
@@ -76,19 +85,59 @@ HASHINGS = ("lookahead", "legacy")
 STOCK_LABEL = "stock"
 FAILING = ("DIFFERS", "STALE STATE")
 
+# The grid's prefix-cache retention when `make regress` is not told one: dense, as
+# every committed table before retention was a dimension (docs/retention.md). A
+# retention is None (dense), 0 (vllm serve's default) or N > 0: every N blocks.
+DEFAULT_RETENTION: int | None = None
+DENSE_WORD = "dense"
+
+
+class RetentionError(ValueError):
+    """A retention `make regress` cannot run: printed as one line, exit status 2."""
+
+    exit_code = 2
+
+
+def parse_retention(text: str) -> int | None:
+    """``--retention``'s word: ``dense`` -> None, ``0`` -> 0, ``N`` -> N (blocks)."""
+    word = text.strip().lower()
+    if word == DENSE_WORD:
+        return None
+    if word.isdecimal() and word.isascii():
+        return int(word)
+    raise RetentionError(
+        f"retention {text!r}: give 0 (vllm serve's default), dense, or a positive "
+        "number of blocks N (an interval of every N blocks), e.g. RETENTION=0"
+    )
+
+
+def retention_interval(retention: int | None, block: int) -> int | None:
+    """vLLM's ``prefix_cache_retention_interval`` for a case of block size ``block``."""
+    return retention * block if retention else retention
+
+
+def retention_text(retention: int | None) -> str:
+    """A retention in words, as the tables name it."""
+    if retention is None:
+        return "dense (every block state a chunk end reaches)"
+    if retention == 0:
+        return "0 (vllm serve's default: replay boundaries only)"
+    return f"every {retention} blocks (interval {retention} x the case's block size)"
+
 
 def measure(
     model_dir: Path,
     fix: bool,
     lookahead_hashes: bool = True,
     checkpoints: str = "split",
-    retention: int | None = None,
+    retention: int | None = DEFAULT_RETENTION,
 ) -> dict:
     """Run in a process whose ``vllm`` is the tree under test (``trees.prepare`` done);
-    ``checkpoints``: the regime; ``retention``: vLLM's ``prefix_cache_retention_interval``
-    for the grid's pairs (None, the default: dense, as every committed table; 0:
-    ``vllm serve``'s default; docs/retention.md). Each row records it, and the
-    verdicts read it (the geometry model's ``retention``); the later turns stay dense."""
+    ``checkpoints``: the regime; ``retention``: the grid's prefix-cache retention
+    (None, the default: dense, as every committed table; 0: ``vllm serve``'s default;
+    N > 0: every N blocks, ``retention_interval``; docs/retention.md). Each row
+    records vLLM's ``prefix_cache_retention_interval`` it ran at, and the verdicts
+    read it (the geometry model's ``retention``); the later turns stay dense."""
     import vllm
 
     from kit.rig.sched_harness import cache_geometry, run_case, tree_exports_block_boundary
@@ -97,8 +146,9 @@ def measure(
     geometry = {}
     boundary = tree_exports_block_boundary()
     for case_id, case in all_cases(checkpoints):
+        interval = retention_interval(retention, case.block)
         rig, a, b, bounds = run_case(
-            model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes, retention=retention
+            model_dir, case, fix=fix, lookahead_hashes=lookahead_hashes, retention=interval
         )
         rows[case_id] = {
             "a_chunk_ends": rig.chunk_ends[a.request_id],
@@ -120,14 +170,16 @@ def measure(
             # Whether the fix exports the last block boundary (else only a chunk end).
             "fix_exports_block_boundary": boundary,
         }
-        if retention is not None:
-            rows[case_id]["retention"] = retention
+        if interval is not None:
+            rows[case_id]["retention"] = interval
         geometry[f"B{case.block}-k{case.num_spec}"] = cache_geometry(rig)
     return {
         "vllm_file": vllm.__file__,
         "checkpoints": checkpoints,
+        "retention": retention,
         "rows": rows,
         "geometry": geometry,
+        # Dense whatever the grid's retention (later_turns.RETENTION).
         "later_turns": later_turns.measure(model_dir, fix, lookahead_hashes, checkpoints),
     }
 
@@ -156,8 +208,27 @@ def image_tree_record(stage: str, record: dict | None) -> dict:
     }
 
 
+def figure_title(version: str, retention: int | None = DEFAULT_RETENTION) -> str:
+    """``grid.png``'s title: the release, and a retention other than the default."""
+    title = f"Follow-up resume per grid case, vLLM {version}"
+    return (
+        title
+        if retention == DEFAULT_RETENTION
+        else f"{title}, retention {retention_arg(retention)}"
+    )
+
+
+def retention_arg(retention: int | None) -> str:
+    """``--retention``'s word for a retention (``parse_retention``'s inverse)."""
+    return DENSE_WORD if retention is None else str(retention)
+
+
 def measure_on(
-    tree: trees.Tree, model_dir: Path, legacy_hashes: bool = False, checkpoints: str = "split"
+    tree: trees.Tree,
+    model_dir: Path,
+    legacy_hashes: bool = False,
+    checkpoints: str = "split",
+    retention: int | None = DEFAULT_RETENTION,
 ) -> dict:
     """Every geometry, measured in a subprocess that imports exactly this tree's vllm and
     is told on its command line what the tree is (``Tree.child_args``: the fix's switch
@@ -165,25 +236,30 @@ def measure_on(
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kit.rig.regress_cli", "measure"]
         cmd += ["--model-dir", str(model_dir), "--out", out.name, "--checkpoints", checkpoints]
+        cmd += [f"--retention={retention_arg(retention)}"]
         cmd += tree.child_args()
         cmd += ["--legacy-hashes"] if legacy_hashes else []
         subprocess.run(cmd, check=True, env=tree.env(VLLM_LOGGING_LEVEL="ERROR"), cwd=ROOT)
         data = schema.unstamp("regress-measure", json.loads(Path(out.name).read_text()), out.name)
     if not data["vllm_file"].startswith(str(tree.package)):
         raise RuntimeError(f"{tree}: measured {data['vllm_file']}, not this tree")
+    if data.get("retention") != retention:
+        raise RuntimeError(f"{tree}: measured retention {data.get('retention')}, not {retention}")
     data["mods_record"] = tree.mods_record()
     data["tree"] = tree_record(tree)
     return data
 
 
 def measure_many(
-    runs: dict[Hashable, tuple[trees.Tree, bool, str]], model_dir: Path
+    runs: dict[Hashable, tuple[trees.Tree, bool, str]],
+    model_dir: Path,
+    retention: int | None = DEFAULT_RETENTION,
 ) -> dict[Hashable, dict]:
-    """``measure_on(tree, model_dir, legacy_hashes, checkpoints)`` for each key, as many at
-    once as there are cores: each is its own single-threaded process."""
+    """``measure_on(tree, model_dir, legacy_hashes, checkpoints, retention)`` for each key,
+    as many at once as there are cores: each is its own single-threaded process."""
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         jobs = {
-            key: pool.submit(measure_on, tree, model_dir, legacy, regime)
+            key: pool.submit(measure_on, tree, model_dir, legacy, regime, retention)
             for key, (tree, legacy, regime) in runs.items()
         }
         return {key: job.result() for key, job in jobs.items()}
@@ -339,9 +415,20 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
     }
     geometries = {column(d, h): d["geometry"] for (_, h), d in measured.items()}
     first = next(iter(geometries.values()))
+    # Read from what was measured (a measurement from before retention was a
+    # dimension has none: dense).
+    retentions = {d.get("retention", DEFAULT_RETENTION) for d in measured.values()}
+    if len(retentions) != 1:
+        raise RuntimeError(
+            f"the trees measured different retentions: {sorted(map(str, retentions))}"
+        )
     return {
         "vllm_version": version,
         "checkpoints": checkpoints,
+        # None: dense; 0: vllm serve's default; N: every N blocks (each row's "retention":
+        # the interval in tokens). The later turns: later_turns.RETENTION.
+        "retention": retentions.pop(),
+        "later_turns_retention": later_turns.RETENTION,
         "from_sdist": releases.from_sdist(version),
         "sdist_sha256": releases.release_pins(version)["sdist_sha256"],
         "hashings": hashings,
@@ -488,10 +575,16 @@ def render(report: dict, sections: Sequence[str] = ()) -> str:
     )
     if not any(t["patched"] for t in report["trees"].values()):
         mods_line += " (no fix made for this release: unpatched only)"
+    retention = report.get("retention", DEFAULT_RETENTION)
+    later_retention = report.get("later_turns_retention", later_turns.RETENTION)
     return "\n".join(
         [
             f"# Regression on vLLM {report['vllm_version']} ({source}), checkpoint regime "
-            f"`{report['checkpoints']}`",
+            f"`{report['checkpoints']}`, retention {retention_arg(retention)}",
+            "",
+            f"Prefix-cache retention (`prefix_cache_retention_interval`, docs/retention.md): "
+            f"the grid at {retention_text(retention)}; the later turns at "
+            f"{retention_text(later_retention)}.",
             "",
             READING,
             "",

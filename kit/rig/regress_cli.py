@@ -1,14 +1,18 @@
-"""`make regress [VLLM=<release>]` / `kit regress [--vllm RELEASE] [--out FOLDER]`: the
-geometry grid on every tree of one vLLM release (default: the pinned one), every
-checkpoint regime and every hashing the release has, reported by ``kit.rig.regress``
-(its docstring: the verdicts and the one failure rule).
+"""`make regress [VLLM=<release>] [RETENTION=0|dense|N]` / `kit regress [--vllm RELEASE]
+[--retention 0|dense|N] [--out FOLDER]`: the geometry grid on every tree of one vLLM
+release (default: the pinned one), every checkpoint regime and every hashing the
+release has, at one prefix-cache retention (default dense; 0: ``vllm serve``'s; N:
+every N blocks), reported by ``kit.rig.regress`` (its docstring: the verdicts, the
+retention and the one failure rule).
 
 Each tree is measured in its own process (vLLM can be imported once per process):
 ``measure`` is that process's entry, told on its command line what it runs
 (``--fix``: the patched tree's switch on; ``--from-sdist``: a tree from the
-release's sdist, which loads ``kit.vllm_tree.release_plugin``). Results: a
-terminal summary, ``regression.json`` and ``regression.md`` per regime and
-``grid.png`` under ``--out``. Exit status 1 when ``regress.failures`` finds any.
+release's sdist, which loads ``kit.vllm_tree.release_plugin``; ``--retention``).
+Results: a terminal summary, ``regression.json`` and ``regression.md`` per regime and
+``grid.png`` under ``--out`` (default ``releases.regression_dir``: a retention other
+than the default in its own ``retention-...`` folder). Exit status 1 when
+``regress.failures`` finds any; 2, with nothing written, on a retention it cannot run.
 """
 
 from __future__ import annotations
@@ -22,17 +26,20 @@ from pathlib import Path
 from kit import bundle, schema
 from kit.geometry.geometry_model import REGIMES
 from kit.paths import REGRESSION_RESULTS
-from kit.rig import moved_to_pass, regress
+from kit.rig import later_turns, moved_to_pass, regress
 from kit.vllm_tree import mods, releases, sdists, trees
 
 
 def measure_all(
-    tree_of: dict[str, trees.Tree], model_dir: Path, regimes: tuple[str, ...]
+    tree_of: dict[str, trees.Tree],
+    model_dir: Path,
+    regimes: tuple[str, ...],
+    retention: int | None = regress.DEFAULT_RETENTION,
 ) -> dict[tuple[str, str, str], dict]:
     """Every tree in every regime with the release's default hashing, then, where that
-    hashing has lookahead tokens, once more with them disabled: (stage, hashing,
-    regime) -> the measurement. Which hashings a release has is read from what it
-    measured."""
+    hashing has lookahead tokens, once more with them disabled, all at ``retention``:
+    (stage, hashing, regime) -> the measurement. Which hashings a release has is read
+    from what it measured."""
     first = regress.measure_many(
         {
             (stage, regime): (tree, False, regime)
@@ -40,6 +47,7 @@ def measure_all(
             for regime in regimes
         },
         model_dir,
+        retention,
     )
     default = {regress.hashing_of(data) for data in first.values()}
     if len(default) != 1:
@@ -54,6 +62,7 @@ def measure_all(
                 for regime in regimes
             },
             model_dir,
+            retention,
         )
         measured |= {(stage, "legacy", regime): data for (stage, regime), data in legacy.items()}
     # Columns in stage order, each stage's hashings together.
@@ -68,23 +77,40 @@ def run(
     out: Path | None = None,
     quiet: bool = False,
     regimes: tuple[str, ...] = REGIMES,
+    retention: str | None = None,
 ) -> int:
-    """Measure one release (default: the pinned one), write its tables under ``out``
-    (default: ``releases.results_dir(results/regression, release)``); 1 on a failure."""
+    """Measure one release (default: the pinned one) at ``retention`` (``--retention``'s
+    word; default ``regress.DEFAULT_RETENTION``), write its tables under ``out``
+    (default: ``releases.regression_dir(results/regression, release, ...)``); 1 on a
+    failure, 2 (nothing written) on a release or retention it cannot run."""
     from tabulate import tabulate
 
     from kit.weights.tiny_model import write_tiny_model
 
     try:
+        interval = (
+            regress.DEFAULT_RETENTION if retention is None else regress.parse_retention(retention)
+        )
         version = releases.resolve(version)
         # Trees first, one at a time: a missing one is built, and two builders must not race.
         tree_of = releases.trees_of(version)
-    except (releases.ReleaseError, mods.ModError, sdists.SdistError) as exc:
+    except (
+        regress.RetentionError,
+        releases.ReleaseError,
+        mods.ModError,
+        sdists.SdistError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", 2)
-    out = out or releases.results_dir(REGRESSION_RESULTS, version)
+    out = out or releases.regression_dir(
+        REGRESSION_RESULTS, version, interval, regress.DEFAULT_RETENTION
+    )
+    print(
+        f"retention: {regress.retention_text(interval)}; later turns "
+        f"{later_turns.retention_words()}; tables in {out}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        measured = measure_all(tree_of, write_tiny_model(Path(tmp) / "tiny"), regimes)
+        measured = measure_all(tree_of, write_tiny_model(Path(tmp) / "tiny"), regimes, interval)
     failed = []
     reports = {
         regime: regress.build(
@@ -117,7 +143,7 @@ def run(
         failed += [f"[{regime}] {problem}" for problem in regress.failures(report)]
     from kit.rig.regression_figure import figure_for
 
-    print(f"wrote {figure_for(out, f'Follow-up resume per grid case, vLLM {version}')}")
+    print(f"wrote {figure_for(out, regress.figure_title(version, interval))}")
     for problem in failed:
         print(f"FAILED {problem}", file=sys.stderr)
     return 1 if failed else 0
@@ -143,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         help="disable lookahead block hashes (a release that has them)",
     )
     m.add_argument("--checkpoints", choices=REGIMES, default="split", help="checkpoint regime")
+    m.add_argument(
+        "--retention",
+        default=regress.retention_arg(regress.DEFAULT_RETENTION),
+        help="the grid's prefix-cache retention: 0, dense or N (every N blocks)",
+    )
     parser.add_argument(
         "--vllm",
         metavar="RELEASE",
@@ -154,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the folder the tables and the figure go to (default: results/regression, a "
         "release other than the pinned one in its <release>/ folder)",
     )
+    parser.add_argument(
+        "--retention",
+        metavar="0|dense|N",
+        help="the grid's prefix-cache retention (vLLM's prefix_cache_retention_interval): "
+        "0 (vllm serve's default), dense (default: every block state a chunk end reaches) "
+        "or N, every N blocks of each case's block size; one other than the default "
+        "writes to a retention-<0|N-blocks|dense>/ folder; the later turns stay dense",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the summaries")
     args = parser.parse_args(argv)
     if args.cmd == "measure":
@@ -163,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
             args.fix,
             lookahead_hashes=not args.legacy_hashes,
             checkpoints=args.checkpoints,
+            retention=regress.parse_retention(args.retention),
         )
         args.out.write_text(json.dumps(schema.stamp("regress-measure", data)))
         return 0
-    return run(args.vllm, args.out, args.quiet)
+    return run(args.vllm, args.out, args.quiet, retention=args.retention)
 
 
 if __name__ == "__main__":

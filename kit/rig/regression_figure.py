@@ -20,6 +20,7 @@ from PIL import Image, ImageDraw
 
 from kit.geometry.geometry_model import REGIMES
 from kit.plot import BLACK, GREY, _font
+from kit.rig.regress import DEFAULT_RETENTION, figure_title
 
 GREEN = (60, 160, 80)
 AMBER = (235, 170, 40)
@@ -105,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     written = []
     for folder in folders:
-        release = json.loads((folder / "regression.json").read_text())["vllm_version"]
-        written.append(figure_for(folder, f"Follow-up resume per grid case, vLLM {release}"))
+        table = json.loads((folder / "regression.json").read_text())
+        title = figure_title(table["vllm_version"], table.get("retention", DEFAULT_RETENTION))
+        written.append(figure_for(folder, title))
     for path in written:
         if path:
             print(f"wrote {path}")

@@ -92,6 +92,18 @@ def results_dir(folder: Path, version: str) -> Path:
     return folder if version == pinned() else folder / version
 
 
+def regression_dir(folder: Path, version: str, retention: int | None, default: int | None) -> Path:
+    """Where `make regress` writes a release's tables at a prefix-cache retention
+    (``kit.rig.regress``: None dense, 0 ``vllm serve``'s default, N every N blocks):
+    ``results_dir``, and a retention other than ``default`` in a folder of its own
+    below it (``retention-0``, ``retention-<N>-blocks``, ``retention-dense``)."""
+    base = results_dir(folder, version)
+    if retention == default:
+        return base
+    name = "dense" if retention is None else f"{retention}-blocks" if retention else "0"
+    return base / f"retention-{name}"
+
+
 def release_mods(version: str, stage: str = "patched", target: str = "cpu") -> list[mods.Mod]:
     """The mods a stage gets on this release (the engine refuses a mod made for another one)."""
     if stage == STOCK:

@@ -177,3 +177,84 @@ def test_the_image_tables_take_the_same_path() -> None:
     # A hit the model does not predict fails the run, on any release.
     measured[("patched", "legacy")]["rows"] = _measured(True, shift=16)["rows"]
     assert regress.failures(regress.build(release, measured)) == ["patched/legacy: 1 DIFFERS"]
+
+
+def test_a_retention_is_read_as_dense_0_or_a_count_of_blocks() -> None:
+    from kit.rig import regress
+
+    assert regress.parse_retention("dense") is None
+    assert regress.parse_retention("0") == 0
+    assert regress.parse_retention("4") == 4
+    # N blocks: vLLM's interval is N times each case's block size (the grid's differ).
+    assert regress.retention_interval(4, 64) == 256
+    assert regress.retention_interval(4, 2144) == 4 * 2144
+    assert regress.retention_interval(0, 64) == 0
+    assert regress.retention_interval(None, 64) is None
+    for word in (None, 0, 4):
+        assert regress.parse_retention(regress.retention_arg(word)) == word
+    for bad in ("-1", "abc", "", "1.5", "+4", "None"):
+        with pytest.raises(regress.RetentionError, match="RETENTION=0"):
+            regress.parse_retention(bad)
+
+
+def test_a_retention_other_than_the_default_has_a_folder_of_its_own(tmp_path) -> None:
+    from kit.rig import regress
+    from kit.vllm_tree import releases
+
+    default = regress.DEFAULT_RETENTION
+    for version in (releases.pinned(), releases.newest()):
+        base = releases.results_dir(tmp_path, version)
+        assert releases.regression_dir(tmp_path, version, default, default) == base
+        assert releases.regression_dir(tmp_path, version, 0, None) == base / "retention-0"
+        assert releases.regression_dir(tmp_path, version, 4, None) == base / "retention-4-blocks"
+        assert releases.regression_dir(tmp_path, version, None, 0) == base / "retention-dense"
+    assert releases.regression_dir(tmp_path, releases.pinned(), 0, None) == (
+        tmp_path / "retention-0"
+    )
+
+
+@pytest.mark.parametrize("bad", ["-1", "abc"])
+def test_make_regress_refuses_a_bad_retention_before_anything(tmp_path, capsys, bad) -> None:
+    from kit.rig import regress_cli
+
+    assert regress_cli.main(["--retention", bad, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: retention") and "RETENTION=0" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_table_says_the_retention_it_ran_at() -> None:
+    """Rows measured at retention 0 (the grid's hits are the dense ones there:
+    docs/retention.md) are judged at it, the report records it, and the Markdown
+    names it in its first lines with the later turns' (dense)."""
+    from kit.rig import regress
+    from kit.vllm_tree import pins
+
+    release = pins.get("vllm.version")
+    record = {"vllm_version": release, "mods": []}
+    measured = {}
+    for stage in ("unpatched", "patched"):
+        data = _measured(patched=stage == "patched") | {"mods_record": record, "retention": 0}
+        for row in data["rows"].values():
+            row["retention"] = 0
+        data["tree"] = regress.image_tree_record(stage, record) | {"patched": stage == "patched"}
+        measured[(stage, "legacy")] = data
+    report = regress.build(release, measured)
+    assert report["retention"] == 0 and report["later_turns_retention"] is None
+    assert regress.failures(report) == []
+    head = regress.render(report).splitlines()[:3]
+    assert head[0].endswith("retention 0")
+    assert "the grid at 0 (vllm serve's default" in head[2]
+    assert "the later turns at dense" in head[2]
+    # A table from before retention was a dimension reads as dense.
+    for data in measured.values():
+        del data["retention"]
+        for row in data["rows"].values():
+            del row["retention"]
+    assert (
+        regress.render(regress.build(release, measured)).splitlines()[0].endswith("retention dense")
+    )
+    # Trees measured at different retentions make no table.
+    measured[("patched", "legacy")]["retention"] = 4
+    with pytest.raises(RuntimeError, match="different retentions"):
+        regress.build(release, measured)

@@ -5,7 +5,9 @@ keeps only the replay boundaries and shared-prefix junctions), while the
 ``KVCacheConfig`` the rig builds by hand defaults to ``None`` (dense). The rig
 takes either, or a positive multiple of the block, and hands it to vLLM's
 coordinator; under 0 the follow-up's hits on the bench's geometry are the ones
-docs/retention.md states (and the geometry model's, which has no retention).
+docs/retention.md states, and on geometries where the retention decides the hit
+the real scheduler's equal the geometry model's at dense, 0 and an interval (what
+``make regress RETENTION=`` relies on).
 Runs on whichever tree ``KIT_TREE`` picks (0.32.0's legacy hashing or 0.34.0's
 lookahead hashing; unpatched or patched).
 """
@@ -96,6 +98,67 @@ def test_the_model_follows_retention_where_a_tail_outruns_the_follow_up(
     assert b.hit == expected(LONG_TAIL, tree_is_patched, lookahead, retention).hit
     if lookahead:
         assert b.hit == {None: 192, 0: 0, 128: 128}[retention]
+
+
+# `make regress RETENTION=` in small: geometries where the retention decides the hit,
+# each at dense, 0 and an interval of 4 blocks (`regress.retention_interval`), on the
+# tree under test (make test: the pinned release's patched and unpatched trees;
+# KIT_TREE=0.34.0/<stage> a later release's). One block per step (budget 64), so A's
+# chunk ends sit on every block boundary and the tail runs blocks past what B
+# shares: dense keeps B's block floor, 4 blocks the multiple of 256 below it, 0
+# only A's replay boundary (above B) and its own checkpoints.
+RETENTION_BLOCKS = 4
+RETENTION_CASES = {
+    # S = 420 past block 0 and mid-block, no speculation: 384 / 0 / 256.
+    "S420-k0-split": Case(Geometry(64, 16, 0, budget=64, checkpoints="split"), 420, 200),
+    # The same with MTP k = 1 (0.32.0's hashing drops EAGLE's unit: 320 dense).
+    "S420-k1-split": Case(Geometry(64, 16, 1, budget=64, checkpoints="split"), 420, 200),
+    # The layer exports inside a two-block chunk (Mamba2's path): 384 or 256 dense.
+    "S420-k1-internal-1": Case(Geometry(64, 16, 1, budget=128, checkpoints="internal-1"), 420, 200),
+    # A mid-block resume: the patched tree's state at 272 (legacy) or 288
+    # (lookahead), the unpatched tree's at a block; kept at every retention (the
+    # fix's states and the prompt checkpoint are keyed on their own).
+    "S295-k1-mid-block": Case(Geometry(64, 16, 1, budget=64, checkpoints="split"), 295, 20),
+}
+
+
+@pytest.mark.parametrize("retention", [None, 0, RETENTION_BLOCKS], ids=["dense", "0", "4-blocks"])
+@pytest.mark.parametrize("name", list(RETENTION_CASES))
+def test_the_model_is_the_scheduler_at_each_retention(
+    tiny_model_dir, tree_is_patched: bool, name: str, retention
+) -> None:
+    from kit.rig.regress import retention_interval
+
+    case = RETENTION_CASES[name]
+    interval = retention_interval(retention, case.block)
+    rig, _, b, _ = run_case(tiny_model_dir, case, fix=tree_is_patched, retention=interval)
+    lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
+    assert rig.coordinator.retention_interval == interval
+    assert b.resumed_from_own_prefix()
+    assert b.hit == expected(case, tree_is_patched, lookahead, interval).hit
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_the_retention_cases_are_ones_where_retention_decides(lookahead: int) -> None:
+    """Guards the set above: 0 costs each long-tail case its hit, the interval
+    keeps a hit of its own (between 0 and dense) in some, nothing moves the
+    mid-block one's, and the fix moves the mid-block one."""
+    three = 0
+    for name, case in RETENTION_CASES.items():
+        for patched in (False, True):
+            dense, zero, every = (
+                expected(case, patched, lookahead, case.block * r if r else r).hit
+                for r in (None, 0, RETENTION_BLOCKS)
+            )
+            if "mid-block" in name:
+                assert dense == zero == every, (name, patched)
+                continue
+            assert zero < dense and zero <= every <= dense, (name, patched)
+            three += zero < every < dense
+    assert three
+    mid = RETENTION_CASES["S295-k1-mid-block"]
+    assert expected(mid, True, lookahead, 0).hit % mid.block
+    assert expected(mid, True, lookahead, 0).hit > expected(mid, False, lookahead, 0).hit
 
 
 def test_retained_block_states() -> None:
