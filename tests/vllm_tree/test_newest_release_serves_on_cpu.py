@@ -2,10 +2,11 @@
 
 `test_newest_release_on_cpu.py` pins why vLLM 0.34.0 cannot serve the CPU default as
 the kit runs it (x86 needs triton-cpu; the no-Triton runner takes no draft tokens).
-The draft mod ``mods/cpu-triton-interpreter`` (manifest ``mod.toml.draft``: not
-wired, no tree gets it) takes Triton's interpreter (``TRITON_INTERPRET=1``, the
-.venv's Triton) as the platform's Triton instead. These tests pin, on the release's
-own files and the .venv's Triton, the two interpreter limitations it works around:
+The mod ``mods/cpu-triton-interpreter`` (both stages of 0.34.0's trees) takes
+Triton's interpreter (``TRITON_INTERPRET=1``, the .venv's Triton) as the platform's
+Triton instead; its manifest has the trees carry the .venv's compiled CPU ops and
+their servers the interpreter's variable. These tests pin that wiring and, on the
+release's own files and the .venv's Triton, the two interpreter limitations it works around:
 
 - a scalar comparison broadcast against a block is an int32/int64 mask in the
   interpreter, which Triton 3.9's C++ load/store refuse ("mask has unsupported
@@ -17,9 +18,10 @@ own files and the .venv's Triton, the two interpreter limitations it works aroun
 - ``tl.range``'s induction variable is a Python int in the interpreter
   (``_topk_topp_kernel``'s ``row_id.to(tl.int64)``).
 
-The end-to-end run (a patched 0.34.0 server with the mod, MTP and the fix on, a
+The end-to-end run (the patched 0.34.0 tree's server, MTP and the fix on, a
 follow-up's cached tokens) takes minutes of interpreter warm-up on two cores: it
-runs only with ``KIT_SERVE_NEWEST_ON_CPU=1``.
+runs only with ``KIT_SERVE_NEWEST_ON_CPU=1`` (``make bench VLLM=0.34.0`` is the
+whole bench on those trees).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ def pristine() -> Path:
 
 @pytest.fixture(scope="module")
 def modded_importing(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The release's ``triton_utils/importing.py`` with the draft mod's patch."""
+    """The release's ``triton_utils/importing.py`` with the mod's patch."""
     (patch,) = udiff.parse((MOD / "mod.patch").read_text())
     assert patch.path == "triton_utils/importing.py"
     out = tmp_path_factory.mktemp("modded") / "importing.py"
@@ -75,12 +76,24 @@ def modded_importing(pristine: Path, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def test_the_draft_is_not_wired() -> None:
-    assert (MOD / "mod.toml.draft").is_file()
-    assert "cpu-triton-interpreter" not in mods.available()
+def test_both_trees_carry_the_mod_the_compiled_ops_and_the_servers_variable() -> None:
+    """Both stages, so the trees differ by the fix alone; the compiled ops are the
+    .venv's files; the interpreter's variable reaches servers, not the tree's tests."""
+    manifest = mods.load_mod(MOD.name).manifest
+    assert tuple(manifest["compiled_ops"]) == COMPILED_OPS
+    assert releases.serves_on_cpu(RELEASE)
+    for stage in ("unpatched", "patched"):
+        tree = releases.tree(RELEASE, stage)
+        assert MOD.name in [m["name"] for m in tree.mods_record()["mods"]]
+        for name in COMPILED_OPS:
+            copied, wheel = tree.package / name, trees.venv_vllm() / name
+            assert copied.stat().st_size == wheel.stat().st_size, name
+        assert dict(tree.serve_env) == {"TRITON_INTERPRET": "1"}
+        assert "TRITON_INTERPRET" not in tree.env({})
+    assert not releases.tree(RELEASE, "pristine").serve_env
 
 
-def test_the_draft_applies_and_is_formatted_as_vllm_formats(modded_importing: Path) -> None:
+def test_the_mod_applies_and_is_formatted_as_vllm_formats(modded_importing: Path) -> None:
     cmd = [sys.executable, "-m", "ruff", "format", "--isolated", "--check"]
     cmd += [f"--line-length={VLLM_LINE_LENGTH}", str(modded_importing)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -214,9 +227,7 @@ def test_the_range_variable_is_a_tensor_only_with_the_mod(
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get(SERVE_ENV) != "1", reason=f"minutes of warm-up; {SERVE_ENV}=1")
-def test_the_patched_release_serves_mtp_with_the_fix_on(
-    modded_importing: Path, tmp_path: Path
-) -> None:
+def test_the_patched_release_serves_mtp_with_the_fix_on(tmp_path: Path) -> None:
     from kit.bench.openai_client import complete
     from kit.bench.serve import Server
     from kit.bench.serve_args import (
@@ -228,18 +239,11 @@ def test_the_patched_release_serves_mtp_with_the_fix_on(
     )
     from kit.weights.tiny_model import write_tiny_model
 
-    package = tmp_path / "tree" / "vllm"
-    shutil.copytree(releases.ensure_tree(RELEASE, "patched"), package)
-    shutil.copyfile(modded_importing, package / "triton_utils/importing.py")
-    for name in COMPILED_OPS:
-        shutil.copyfile(trees.venv_vllm() / name, package / name)
-    tree = trees.Tree(
-        "patched", package, extra_paths=(releases.ensure_deps(RELEASE),), from_sdist=True
-    )
+    tree = releases.tree(RELEASE, "patched")
     model = write_tiny_model(tmp_path / "tiny-qwen3-next", weights=True)
     flag = mods.load_mod("fix-eagle-fine-prefix-lookahead").manifest["enable_flag"]
     args = [*cpu_serve_args(model, CPU_BLOCK, UNIT, 1, INTERNAL_BATCHED_TOKENS), flag]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", CHECKPOINT_ENV: "1", "TRITON_INTERPRET": "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", CHECKPOINT_ENV: "1", **tree.serve_env}
     # The bench's pair on a hash-aligned context (S mod H = 0): A = context + ".",
     # B = context + a 48-token user turn. Measured on this run's trees: the unpatched
     # server resumes B at 2048 (the block boundary), the patched one with the fix on
