@@ -5,7 +5,9 @@ the .venv, so the kit draws its few charts itself: axes, ticks, points, lines).
   S, per tree, against the geometry model's prediction and the ideal;
 - ``ttft.png``: the cached follow-up's TTFT per repetition, both trees, one panel per
   S, titled with the patched/unpatched ratio's median and its 95 % bootstrap interval
-  (min-max for bundles from before the interval); both titled with the checkpoint path;
+  (min-max for bundles from before the interval) and, where the run has the control
+  (``ttft.control_requests``), the control's TTFT dashed and the patched tree's cached
+  B / control ratio above the title; both titled with the checkpoint path;
 - ``compare.png`` (``kit report A B --figure``): two bundles' ratios side by side.
 """
 
@@ -209,7 +211,9 @@ def ttft_figure(
     cols = 2
     panels = max(1, len(lines))
     nrows = math.ceil(panels / cols)
-    width, height = 1000, 80 + 300 * nrows
+    controlled = any(line.get("ratio_control") for line in lines)
+    top = 130 if controlled else 90  # room for the legend and the control's line
+    width, height = 1000, top - 10 + 300 * nrows
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     draw.text(
@@ -218,25 +222,26 @@ def ttft_figure(
         fill=BLACK,
         font=_font(16),
     )
-    legend(draw, width - 200, 20, [(t, c, "dot") for t, c in COLORS.items()])
+    items = [(t, c, "dot") for t, c in COLORS.items()]
+    if controlled:
+        items += [(f"{t} control", c, "dash") for t, c in COLORS.items()]
+    legend(draw, width - 200, 20, items)
     for i, line in enumerate(lines):
         col, row = i % cols, i // cols
-        box = (80 + col * 490, 90 + row * 300, 80 + col * 490 + 390, 90 + row * 300 + 200)
+        box = (80 + col * 490, top + row * 300, 80 + col * 490 + 390, top + row * 300 + 200)
         sel = [r for r in rows if r["kind"] == kind and r["S"] == line["S"]]
         reps = sorted({r["rep"] for r in sel})
-        series = {
-            tree: [
-                1000 * next(r["ttft_s"] for r in sel if r["tree"] == tree and r["rep"] == rep)
-                for rep in reps
-            ]
-            for tree in COLORS
-        }
+        series = _series(sel, reps)
+        control = _series(
+            [r for r in rows if r["kind"] == CONTROL_KIND and r["S"] == line["S"]], reps
+        )
+        control = control if line.get("ratio_control") else {}
         ratio = line["ratio_patched_unpatched"]
         ax = Axes(
             draw,
             box,
             reps,
-            [v for vals in series.values() for v in vals],
+            [v for vals in (*series.values(), *control.values()) for v in vals if v is not None],
             title=f"S={line['S']}: ratio p/u {ratio['median']:.2f} {spread(ratio)}",
             xlabel="repetition",
             ylabel="ms",
@@ -245,8 +250,40 @@ def ttft_figure(
         for tree, color in COLORS.items():
             ax.line(reps, series[tree], color)
             ax.points(reps, series[tree], color, "o", 4)
+            shown = [(x, y) for x, y in zip(reps, control.get(tree, []), strict=False) if y]
+            if shown:
+                xs, ys = zip(*shown, strict=True)
+                ax.line(xs, ys, color, dash=True)
+                ax.points(xs, ys, color, "o", 4, hollow=True)
+        patched = (line.get("ratio_control") or {}).get("patched")
+        if patched:
+            draw.text(
+                ((box[0] + box[2]) / 2, box[1] - 26),
+                f"cached B / control, patched: {patched['median']:.2f} {spread(patched)}",
+                BLACK,
+                _font(13),
+                "md",
+            )
     image.save(path)
     return path
+
+
+# The control follow-up of cached B (``kit.bench.ttft.control_requests``).
+CONTROL_KIND = "control_B"
+
+
+def _series(sel: list[dict], reps: list[int]) -> dict[str, list[float | None]]:
+    """Per tree, the rows' TTFT in ms at each repetition (None where a tree has none)."""
+    return {
+        tree: [
+            next(
+                (1000 * r["ttft_s"] for r in sel if r["tree"] == tree and r["rep"] == rep),
+                None,
+            )
+            for rep in reps
+        ]
+        for tree in COLORS
+    }
 
 
 def compare_figure(named: list[tuple[str, list[dict]]], path: Path) -> Path:

@@ -6,7 +6,13 @@ from __future__ import annotations
 from tabulate import tabulate
 
 from kit.bench import step_log
-from kit.bench.ttft_stats import engine_lines, pooled_table, table, unpaused_lines
+from kit.bench.ttft_stats import (
+    control_lines,
+    engine_lines,
+    pooled_table,
+    table,
+    unpaused_lines,
+)
 
 # The library vLLM's CPU wheel imports without AVX-512: its GDN chunk kernel is
 # ~50x slower there (kit/bundle.py), so a reader comparing bundles must know.
@@ -31,7 +37,8 @@ def kernels_line(report: dict) -> list[str]:
 
 def result_blocks(report: dict, pooled_caption: str) -> list[str]:
     """The per-request table, the pooled table under ``pooled_caption``, and the
-    notes that follow them (unpaused rows, vLLM's own times, engine steps)."""
+    notes that follow them (cached B against its control, unpaused rows, vLLM's own
+    times, engine steps)."""
     headers, body = table(report["summary"])
     pooled_headers, pooled_body = pooled_table(report["pooled_ratios"])
     return [
@@ -41,6 +48,7 @@ def result_blocks(report: dict, pooled_caption: str) -> list[str]:
         "",
         tabulate(pooled_body, headers=pooled_headers, tablefmt="github"),
         "",
+        *control_lines(report["summary"]),
         *unpaused_lines(report),
         *engine_lines(report),
         *step_log.lines(report.get("engine_steps")),

@@ -99,26 +99,36 @@ def render(bundles: list[Path]) -> str:
                     ratio_text(sb["ratio_patched_unpatched"]),
                 ]
             )
+            # Cached B against its control (bundles from before it: none).
+            controls = [_control(sa), _control(sb)]
+            if any(controls):
+                rows[-1] += controls
+        headers = [
+            "S",
+            f"{left} patched ms",
+            f"{left} ratio p/u [95% CI] (min-max)",
+            f"{right} patched ms",
+            f"{right} ratio p/u [95% CI] (min-max)",
+        ]
+        if any(len(row) > len(headers) for row in rows):
+            headers += [f"{left} patched B/control", f"{right} patched B/control"]
+            rows = [row + [""] * (len(headers) - len(row)) for row in rows]
         out += [
             "## Side by side: cached follow-up",
             "",
-            tabulate(
-                rows,
-                headers=[
-                    "S",
-                    f"{left} patched ms",
-                    f"{left} ratio p/u [95% CI] (min-max)",
-                    f"{right} patched ms",
-                    f"{right} ratio p/u [95% CI] (min-max)",
-                ],
-                tablefmt="github",
-            ),
+            tabulate(rows, headers=headers, tablefmt="github"),
             "",
         ]
     out += ["## What ran", ""]
     for name, report in reports:
         out += run_lines(name, report)
     return "\n".join(out) + "\n"
+
+
+def _control(line: dict) -> str:
+    """A summary line's patched cached B / control ratio, or "" where it has none."""
+    patched = (line.get("ratio_control") or {}).get("patched")
+    return ratio_text(patched) if patched else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,11 @@ tokens + one "." token (a context load); follow-up B = the same context + a
 48-token user turn. Per repetition and geometry, on each server: A (cold),
 B (cached: the measurement), B again (exact repeat: lower bound), then the
 prefix cache is reset and B is sent once more (cold: upper bound, and the
-correctness reference for the cached B). Also a 4-turn conversation.
+correctness reference for the cached B). After the repeat, a control: a fresh
+context loaded cold, then a follow-up that resumes at its block boundary and
+prefills as many uncached tokens as the fix's cached B, in the fewest engine steps
+vLLM gives such a resume (cached B / control: how far cached B is from that floor).
+Also a 4-turn conversation.
 Every request's cached-token count must equal the geometry model's number and
 every cached answer must pass the oracle (``kit/bench/oracle.py``); otherwise
 the run fails, naming the tree, S and repetition (``--record-only`` records
@@ -780,6 +784,9 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
             "B": f"context(S) + {TURN_LEN} user tokens",
             "isolation": "fresh context token ids per repetition",
             "conversation": f"4 turns, {REPLY_TOKENS}-token replies, {TURN_LEN}-token user turns",
+            "control": "a fresh context of one block plus up to three units loaded cold, "
+            "then resumed at the block boundary with as many uncached tokens as the fix's "
+            "cached B (kit.geometry.geometry_model.boundary_control)",
         },
         "geometry": dataclasses.asdict(geo),
         "path": plan.checkpoints,

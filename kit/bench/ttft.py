@@ -31,10 +31,12 @@ from kit.geometry.geometry_model import (
     REGIMES,
     Case,
     Geometry,
+    boundary_control,
     expected,
     lookahead_ideal,
     next_turn_resume,
     prompt_checkpoint,
+    resumed_chunk_ends,
 )
 from kit.vllm_tree.trees import TREE_NAMES as TREES
 
@@ -44,9 +46,11 @@ WAKE_PROMPT = [5, 6, 7]  # shorter than one hash unit: leaves no cache entry
 IDLE_GAP_S = 1.5
 
 
-def context(rep: int, shared: int, salt: str) -> list[int]:
+def context(rep: int, shared: int, salt: str, length: int | None = None) -> list[int]:
+    """Fresh token ids for repetition ``rep`` at S = ``shared``: ``length`` of them
+    (default S)."""
     rng = random.Random(f"{salt}-{rep}-{shared}")
-    return [rng.randrange(16, 4000) for _ in range(shared)]
+    return [rng.randrange(16, 4000) for _ in range(shared if length is None else length)]
 
 
 def measure(
@@ -147,9 +151,11 @@ def pair_requests(
     yield tag_path([measure(server, tree, a, "cold_A", 0, rep, shared)], geo)[0]
     cached = measure(server, tree, b, "cached_B", want_b, rep, shared)
     cached["ideal_cached"] = lookahead_ideal(case, geo.hash_lookahead)
+    cached["chunk_ends"] = list(resumed_chunk_ends(geo, len(b), want_b, server.fix))
     cached[BY_REGIME] = by_regime
     yield tag_path([cached], geo)[0]
     yield tag_path([measure(server, tree, b, "repeat_B", resend, rep, shared)], geo)[0]
+    yield from control_requests(server, tree, rep, shared, geo, len(b) - fix_hit(geo, shared))
     reset_prefix_cache(server.url)
     cold = tag_path([measure(server, tree, b, "cold_B", 0, rep, shared)], geo)[0]
     verdict = oracle.judge(
@@ -161,6 +167,49 @@ def pair_requests(
     )
     cached["oracle"] = verdict.as_dict()
     yield cold
+
+
+def fix_hit(geo: Geometry, shared: int) -> int:
+    """Where the fix resumes cached B at S = ``shared`` (the geometry's regime)."""
+    case = bench_case(geo, shared)
+    return expected(case, patched=True, lookahead=geo.hash_lookahead, retention=geo.retention).hit
+
+
+def control_requests(
+    server: Server, tree: str, rep: int, shared: int, geo: Geometry, tail: int
+) -> Iterator[dict]:
+    """The control for cached B (issue 49), the same requests on both trees: a fresh
+    context loaded cold ("control_A"), then a follow-up ("control_B") that resumes
+    at a block boundary and prefills ``tail`` uncached tokens, cached B's under the
+    fix at this S (``boundary_control``: the hit is the geometry model's on both trees).
+
+    Its engine steps (``chunk_ends``) are the fewest any resumed prompt of that many
+    uncached tokens gets on vLLM 0.32.0, on both trees: the resume is on a block
+    boundary, so no chunk ends at the next one (the scheduler's mid-block stop,
+    ``Scheduler._mamba_block_aligned_split``), and nothing else of the fix's stops
+    there. It is not one step: at 32 or more uncached tokens (EAGLE drop) the
+    prompt's own checkpoint, floor(N/H)*H - H, lies inside the chunk, and
+    ``is_mamba_prefill_checkpoint_valid`` (``v1/kv_cache_interface.py``) refuses
+    the in-pass export for any chunk that ends less than two block columns above
+    its initial state's (``cdiv(end, B) - 2 > (start - 1) // B``: false for a
+    block-aligned start and a tail under one block), so the scheduler ends a chunk
+    at that checkpoint: two steps, as cached B takes at S 900, 1007 and 2159
+    (three at S 2048, whose resume at 2032 crosses the boundary). A request of
+    fewer uncached tokens would be one step but not the same work (repeat B is
+    that: one step over the tokens above its prompt checkpoint)."""
+    control = boundary_control(geo)
+    rng = random.Random(f"control-tail-{rep}-{shared}")
+    ctx = context(rep, shared, "control", control.context)
+    # Fresh ids from 16 up: never the load's probe, so the follow-up leaves the
+    # load right after the context.
+    follow = ctx + [
+        rng.randrange(16, 4000) for _ in range(control.prompt_len(tail) - control.context)
+    ]
+    load = measure(server, tree, ctx + [PROBE_TOKEN], "control_A", 0, rep, shared)
+    yield tag_path([load], geo)[0]
+    row = measure(server, tree, follow, "control_B", control.resume, rep, shared)
+    row["chunk_ends"] = list(resumed_chunk_ends(geo, len(follow), control.resume, server.fix))
+    yield tag_path([row], geo)[0]
 
 
 def conversation_requests(

@@ -591,3 +591,52 @@ def expected(
     fa_eagle = max(fa - h, 0) if case.eagle and fa and not lookahead else fa
     hit = max((p for p in states if p <= fa_eagle), default=0)
     return Expected(ends, fa, fa_eagle, hit, fa_entries, mamba_partials)
+
+
+class BoundaryControl(NamedTuple):
+    """The bench's control for a resumed follow-up (issue 49): a fresh context of
+    ``context`` tokens loaded cold with a one-token probe, then a follow-up of
+    ``context`` of its tokens and a fresh rest, which resumes at the block boundary
+    ``resume`` on both trees."""
+
+    context: int
+    resume: int
+
+    def prompt_len(self, tail: int) -> int:
+        """The follow-up's length when it prefills ``tail`` uncached tokens."""
+        if tail <= self.context - self.resume:
+            raise ValueError(
+                f"a control tail of {tail} tokens: the follow-up shares {self.context} "
+                f"tokens with the load and resumes at {self.resume}, so it recomputes more"
+            )
+        return self.resume + tail
+
+
+def boundary_control(geo: Geometry) -> BoundaryControl:
+    """The shortest control context whose load leaves the state at the first block
+    boundary and whose follow-up resumes there on both trees (``expected``).
+
+    Under the 0.32.0 hashing with EAGLE the follow-up's attention match drops a
+    unit, so it must share one unit past the boundary, and the load's prompt
+    checkpoint (``prompt_checkpoint``: floor(N/H)*H - H) must be the boundary:
+    2064 tokens and a probe at B = 2048, H = 16 (the load's internal export, or
+    on the split path its chunk end, materialises 2048; at retention 0 the
+    prompt checkpoint is kept on its own). With lookahead hashes one token past
+    the boundary is enough. The resume is on the boundary, not mid-block, so the
+    follow-up's first chunk has no block-boundary stop (``resumed_chunk_ends``)."""
+    resume = geo.block
+    for context in range(resume, resume + 3 * geo.unit):
+        case = Case(geo, context, 1)
+        if all(
+            expected(case, patched, geo.hash_lookahead, geo.retention).hit == resume
+            for patched in (False, True)
+        ):
+            return BoundaryControl(context, resume)
+    raise ValueError(f"no control context resumes at {resume} on both trees for {geo}")
+
+
+def resumed_chunk_ends(geo: Geometry, prompt_len: int, resume: int, patched: bool) -> tuple:
+    """The chunk ends (one engine step each) of a ``prompt_len``-token prompt that
+    resumed from a cache hit at ``resume`` (``producer_prefill``; no junction)."""
+    case = Case(geo, prompt_len - 1, 1)
+    return producer_prefill(case, patched, geo.hash_lookahead, resume=resume).ends

@@ -276,7 +276,18 @@ def test_every_row_carries_its_path(path: str, no_server) -> None:
     servers = {tree: _Stub() for tree in ttft.TREES}
     rows = ttft.interleaved(servers, geo, reps=1, shared=[1007], tolerance=0.03)
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"cold_A", "cached_B", "repeat_B", "cold_B", "turn1", "turn2", "turn3", "turn4"}
+    assert kinds == {
+        "cold_A",
+        "cached_B",
+        "repeat_B",
+        "control_A",
+        "control_B",
+        "cold_B",
+        "turn1",
+        "turn2",
+        "turn3",
+        "turn4",
+    }
     assert len(rows) == 2 * len(kinds)
     assert {r["path"] for r in rows} == {path}
     # No histograms to read: no engine time, and no wait for one.
@@ -431,7 +442,8 @@ def test_the_trees_take_turns_request_by_request_the_other_paused(monkeypatch, n
 
     assert all(alone for _, alone in log)  # every request, wake-ups included
     assert ttft.IDLE_GAP_S not in slept
-    kinds = ["cold_A", "cached_B", "repeat_B", "cold_B", "turn1", "turn2", "turn3", "turn4"]
+    kinds = ["cold_A", "cached_B", "repeat_B", "control_A", "control_B", "cold_B"]
+    kinds += ["turn1", "turn2", "turn3", "turn4"]
     for rep, order in ((0, list(ttft.TREES)), (1, list(ttft.TREES)[::-1])):
         got = [(r["tree"], r["kind"]) for r in rows if r["rep"] == rep]
         assert got == [(tree, kind) for kind in kinds for tree in order]
@@ -445,7 +457,7 @@ def test_servers_reached_by_url_take_turns_a_repetition_at_a_time(no_server) -> 
     assert not ttft.pausable(servers)
     geo = Geometry(2048, 16, 1, 8192, "internal-1")
     rows = ttft.interleaved(servers, geo, reps=1, shared=[1007], tolerance=0.03)
-    assert [r["tree"] for r in rows] == [ttft.TREES[0]] * 8 + [ttft.TREES[1]] * 8
+    assert [r["tree"] for r in rows] == [ttft.TREES[0]] * 10 + [ttft.TREES[1]] * 10
 
 
 def test_lookahead_hashes_move_the_expected_hits(no_server) -> None:
