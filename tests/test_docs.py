@@ -127,6 +127,36 @@ def check_bar(cell: str, median: float, upper: float) -> None:
     assert same(missed[1], median), (cell, median)
 
 
+def check_control_bar(cell: str, median: float, upper: float) -> None:
+    """The control's two-part bar (``ttft_stats.CONTROL_BAR``): "met" when the median
+    and the interval's upper end are both at or below theirs, else "missed" with the
+    median beside it."""
+    from kit.bench.ttft_stats import CONTROL_BAR
+
+    bars, verdict = cell.split(":", 1)
+    assert bars.strip() == f"{CONTROL_BAR['median']:.2f} / {CONTROL_BAR['upper']:.2f}", cell
+    verdict = verdict.strip()
+    if median <= CONTROL_BAR["median"] and upper <= CONTROL_BAR["upper"]:
+        assert verdict == "met", (cell, median, upper)
+        return
+    missed = re.fullmatch(r"missed \(median (\d\.\d\d)\)", verdict)
+    assert missed, (cell, median, upper)
+    assert same(missed[1], median), (cell, median)
+
+
+def test_the_control_verdict_check_can_fail() -> None:
+    check_control_bar("1.20 / 1.35: met", 1.10, 1.30)
+    check_control_bar("1.20 / 1.35: missed (median 1.25)", 1.25, 1.30)
+    check_control_bar("1.20 / 1.35: missed (median 1.10)", 1.10, 1.40)
+    for cell, median, upper in (
+        ("1.20 / 1.35: met", 1.25, 1.30),
+        ("1.20 / 1.35: met", 1.10, 1.40),
+        ("1.20: met", 1.10, 1.30),
+    ):
+        with pytest.raises(AssertionError):
+            check_control_bar(cell, median, upper)
+
+
 def test_the_verdict_check_can_fail() -> None:
     check_bar("0.40: met", 0.35, 0.40)
     check_bar("0.40: missed (median 0.35)", 0.35, 0.53)
@@ -174,6 +204,26 @@ def test_the_readme_headline_is_the_named_bundle() -> None:
         assert same(median, stats["median"]) and same(low, stats["ci95"][0])
         assert same(high, stats["ci95"][1]), (size, ratio)
         check_bar(bar, stats["median"], stats["ci95"][1])
+
+    # Cached B against its control on the patched server, per S and pooled, where the
+    # headline bundle has the control (bundles from before it do not).
+    from kit.bench.ttft_stats import control_pooled
+
+    if any(s.get("ratio_control") for s in report["summary"]):
+        lines = {
+            **{
+                f"cached B / control, S = {size}": cached[size]["ratio_control"]
+                for size in (1007, 2159)
+            },
+            "cached B / control, pooled": control_pooled(report["summary"]),
+        }
+        for label, line in lines.items():
+            _, ratio, bar = rows[label]
+            stats = line["patched"]
+            median, low, high = RATIO.fullmatch(ratio).groups()
+            assert same(median, stats["median"]) and same(low, stats["ci95"][0]), label
+            assert same(high, stats["ci95"][1]), label
+            check_control_bar(bar, stats["median"], stats["ci95"][1])
 
     pooled = {p["group"]: p for p in report["pooled_ratios"]}
     for label, group in (

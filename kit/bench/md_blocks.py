@@ -9,6 +9,7 @@ from kit.bench import step_log
 from kit.bench.ttft_stats import (
     control_lines,
     engine_lines,
+    hop_lines,
     pooled_table,
     table,
     unpaused_lines,
@@ -51,6 +52,7 @@ def result_blocks(report: dict, pooled_caption: str) -> list[str]:
         *control_lines(report["summary"]),
         *unpaused_lines(report),
         *engine_lines(report),
+        *hop_lines(report.get("hop_gap")),
         *step_log.lines(report.get("engine_steps")),
         *step_log.fence_lines(report.get("fence")),
     ]

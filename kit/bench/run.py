@@ -94,6 +94,7 @@ from kit.bench.ttft_stats import (
     distinct_cold_answers,
     engine_pooled,
     failures,
+    hop_gap,
     host_pauses,
     oracle_summary,
     pooled_ratios,
@@ -809,6 +810,7 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
         "host_pauses": pauses,
         "pooled_ratios_unpaused": pooled_ratios(rows, drop_paused=True) if pauses else None,
         "pooled_ratios_engine_prefill": engine_pooled(rows),
+        "hop_gap": hop_gap(rows),
         "oracle": oracle_summary(rows, plan.tolerance),
         "failures": failures(rows, distinct_cold_answers(rows)),
         "run": run_record(

@@ -422,6 +422,60 @@ def engine_lines(report: dict) -> list[str]:
     ]
 
 
+# A client TTFT this much above the server's own is called out (bench.md).
+HOP_GAP_MS = 10.0
+
+
+def hop_gap(rows: list[dict]) -> dict | None:
+    """Per tree, the time between the client and vLLM's own TTFT (client TTFT minus
+    ``vllm:time_to_first_token_seconds``, arrival at the API server to the first
+    token): the HTTP hop, the API server's event loop and the output's way back.
+    Median and max in ms, and the requests more than ``HOP_GAP_MS`` above, by kind.
+    None where the rows have no server TTFT."""
+    out = {}
+    for tree in TREES:
+        gaps = [
+            (r["kind"], 1000 * (r["ttft_s"] - r["server_ttft_s"]))
+            for r in rows
+            if r["tree"] == tree and r.get("ttft_s") and r.get("server_ttft_s")
+        ]
+        if not gaps:
+            continue
+        ms = sorted(g for _, g in gaps)
+        over: dict[str, int] = {}
+        for kind, gap in gaps:
+            if gap > HOP_GAP_MS:
+                over[kind] = over.get(kind, 0) + 1
+        out[tree] = {
+            "n": len(ms),
+            "median_ms": statistics.median(ms),
+            "max_ms": ms[-1],
+            "over": dict(sorted(over.items())),
+        }
+    return out or None
+
+
+def hop_lines(gap: dict | None) -> list[str]:
+    """bench.md's line on the client-server gap (``hop_gap``), or nothing."""
+    if not gap:
+        return []
+
+    def said(tree: str, g: dict) -> str:
+        over = ", ".join(f"{kind} {n}" for kind, n in g["over"].items()) or "none"
+        return (
+            f"{tree} median {g['median_ms']:.1f} ms, max {g['max_ms']:.1f} ms, above "
+            f"{HOP_GAP_MS:.0f} ms: {over} (of {g['n']})"
+        )
+
+    return [
+        "Client TTFT minus vLLM's own (`vllm:time_to_first_token_seconds`: the HTTP hop, "
+        "the API server and the way back): "
+        + "; ".join(said(tree, g) for tree, g in gap.items())
+        + ".",
+        "",
+    ]
+
+
 def table(summary: list[dict]) -> tuple[list[str], list[list]]:
     headers = [
         "S",

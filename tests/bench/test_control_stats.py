@@ -108,3 +108,28 @@ def test_bench_md_shows_the_control_table() -> None:
     assert "| pooled " in text and "missed (median 1.6" in text
     for shared in SHARED:
         assert f"| {shared} " in text
+
+
+def test_the_client_server_gap_is_counted_per_tree_and_kind() -> None:
+    """bench.md says how much of each client TTFT the HTTP hop and the API server took
+    (client TTFT minus vLLM's own), and which requests took more than 10 ms there."""
+    rows = [
+        {"tree": "unpatched", "kind": "cached_B", "ttft_s": 0.0330, "server_ttft_s": 0.0300},
+        {"tree": "unpatched", "kind": "repeat_B", "ttft_s": 0.0450, "server_ttft_s": 0.0100},
+        {"tree": "patched", "kind": "cached_B", "ttft_s": 0.0220, "server_ttft_s": 0.0200},
+        {"tree": "patched", "kind": "cold_A", "ttft_s": 0.1000, "server_ttft_s": None},
+    ]
+    gap = ttft_stats.hop_gap(rows)
+    assert gap["unpatched"]["n"] == 2 and gap["unpatched"]["over"] == {"repeat_B": 1}
+    assert gap["unpatched"]["max_ms"] == pytest.approx(35.0)
+    assert gap["patched"] == {
+        "n": 1,
+        "median_ms": pytest.approx(2.0),
+        "max_ms": pytest.approx(2.0),
+        "over": {},
+    }
+    (line, _) = ttft_stats.hop_lines(gap)
+    assert "unpatched median 19.0 ms, max 35.0 ms, above 10 ms: repeat_B 1 (of 2)" in line
+    assert "patched median 2.0 ms, max 2.0 ms, above 10 ms: none (of 1)" in line
+    assert ttft_stats.hop_gap([{**rows[3], "tree": "unpatched"}]) is None
+    assert ttft_stats.hop_lines(None) == []
