@@ -19,9 +19,10 @@ pristine copy of the release's sdist (``vllm/`` and ``tests/``):
 Before any of that, ``form_problems`` reads the folders statically: each PR.md
 has the sections and checklist of vLLM's pull-request template, a duplicate-work
 section, an AI-assistance statement and a ``Signed-off-by:`` line; no patch's
-tests import the kit; each RFC.md is at most ``RFC_MAX_WORDS`` words. Any
-problem is printed (one line each, naming the file and what to add) and the
-run stops with exit status 1.
+tests import the kit, use ``SimpleNamespace`` or a private attribute, and a
+speculation test builds a ``SpeculativeConfig`` (tests/AGENTS.md); each RFC.md
+is at most ``RFC_MAX_WORDS`` words. Any problem is printed (one line each,
+naming the file and what to add) and the run stops with exit status 1.
 
 Writes ``results/upstream-check.json`` (``--out``: elsewhere; `make test` writes
 under .cache/, `make upstream-check` the committed file); exits 1 when any step
@@ -71,6 +72,16 @@ _ISSUE_REF = re.compile(r"#\d{4,}")
 _SIGNED_OFF = re.compile(r"^Signed-off-by: \S.* <\S+>\s*$", re.MULTILINE)
 _KIT_IMPORT = re.compile(r"^\s*(?:import|from)\s+kit(?:\.|\s|$)|\bkit\.[A-Za-z_]")
 _TESTS_IMPORT = re.compile(r"^\s*(?:import|from)\s+(tests(?:\.\w+)+)")
+# tests/AGENTS.md: real objects, no SimpleNamespace stand-ins, no private attributes.
+_SIMPLE_NAMESPACE = re.compile(r"\bSimpleNamespace\b")
+_PRIVATE_ATTRIBUTE = re.compile(r"\.(?!__\w+__)(_\w+)")
+# A test that reaches speculative decoding's scheduling through its resolved values;
+# it must build them from the speculative config a server builds.
+SPECULATION_SETTINGS = re.compile(
+    r"\b(?:num_(?:hash|prefill)_lookahead(?:_tokens)?|use_eagle(?:_block_drop)?|"
+    r"num_speculative_tokens|disable_eagle_block_drop)\b"
+)
+_SPECULATIVE_CONFIG = re.compile(r"\bSpeculativeConfig\(")
 
 
 def _pr_problems(pr: Path) -> list[str]:
@@ -119,13 +130,19 @@ def _pr_problems(pr: Path) -> list[str]:
 
 
 def _patch_test_problems(patch: Path, kit_tests: Path) -> list[str]:
-    """Added lines of the patch's tests/ files that reach into the kit: ``kit``, or a
-    ``tests.`` module that resolves in the kit's own tests/ (vLLM's helpers, such as
-    ``tests.v1.core.utils``, do not: the kit has no tests/v1)."""
+    """What the added lines of the patch's tests/ files do that vLLM's tests/AGENTS.md
+    rules out: reach into the kit (``kit``, or a ``tests.`` module that resolves in
+    the kit's own tests/; vLLM's helpers, such as ``tests.v1.core.utils``, do not:
+    the kit has no tests/v1), stand objects in with ``SimpleNamespace``, read or set
+    a private attribute; and a speculation test (one naming the lookahead, EAGLE
+    block drop or draft-token settings) that builds no ``SpeculativeConfig``, so
+    tests values no server resolves."""
     if not patch.is_file():
         return [f"{patch}: missing; add the git diff against the release"]
     problems = []
     current = None
+    speculation: tuple[int, str] | None = None
+    builds_config = False
     for number, line in enumerate(patch.read_text().splitlines(), 1):
         if line.startswith("+++ "):
             current = line[4:].removeprefix("b/")
@@ -137,17 +154,39 @@ def _patch_test_problems(patch: Path, kit_tests: Path) -> list[str]:
         code = line[1:]
         reason = None
         if _KIT_IMPORT.search(code):
-            reason = "the kit"
+            reason = "imports the kit"
         elif m := _TESTS_IMPORT.match(code):
             parts = m.group(1).split(".")[1:]
             where = kit_tests.joinpath(*parts)
             if where.with_suffix(".py").is_file() or where.is_dir():
-                reason = f"the kit's tests/{'/'.join(parts)}"
+                reason = f"imports the kit's tests/{'/'.join(parts)}"
         if reason:
             problems.append(
-                f"{patch}:{number}: {current} imports {reason} ({code.strip()!r}); "
+                f"{patch}:{number}: {current} {reason} ({code.strip()!r}); "
                 "use vLLM's own test helpers instead"
             )
+        if code.lstrip().startswith("#"):
+            continue  # prose may name what the code must not do
+        if _SIMPLE_NAMESPACE.search(code):
+            problems.append(
+                f"{patch}:{number}: {current} stands an object in with SimpleNamespace "
+                f"({code.strip()!r}); build the real one (tests/AGENTS.md)"
+            )
+        if m := _PRIVATE_ATTRIBUTE.search(code):
+            problems.append(
+                f"{patch}:{number}: {current} uses the private attribute {m.group(1)} "
+                f"({code.strip()!r}); test through public behaviour (tests/AGENTS.md)"
+            )
+        if speculation is None and SPECULATION_SETTINGS.search(code):
+            speculation = (number, current)
+        builds_config = builds_config or bool(_SPECULATIVE_CONFIG.search(code))
+    if speculation is not None and not builds_config:
+        number, current = speculation
+        problems.append(
+            f"{patch}:{number}: {current} tests speculative decoding but builds no "
+            "SpeculativeConfig; build the one a server builds (its draft tokens, the "
+            "lookahead and block drop it resolves)"
+        )
     return problems
 
 

@@ -1,6 +1,8 @@
 """`make upstream-check`'s static form checks (kit/vllm_tree/upstream_check.py,
 ``form_problems``): the committed upstream/ folders pass, and a doctored copy of
-them fails with one line per problem naming the file and what to add."""
+them fails with one line per problem naming the file and what to add. The
+patches' tests follow vLLM's tests/AGENTS.md: no kit import, no SimpleNamespace,
+no private attribute, and a speculation test builds a SpeculativeConfig."""
 
 from __future__ import annotations
 
@@ -159,6 +161,88 @@ def test_vllm_test_helpers_and_the_vllm_part_are_not_the_kit(copy: Path) -> None
     patch.write_text(text)
     assert upstream_check.form_problems(copy) == []
     assert not (ROOT / "tests" / "v1").exists(), "the kit's tests/ must not shadow vLLM's tests/v1"
+
+
+def _add_test_line(patch: Path, line: str) -> None:
+    """``line`` added inside the first hunk of the patch's tests/ part."""
+    text = patch.read_text()
+    first_hunk = text.index("\n+", text.index("+++ b/tests/"))
+    patch.write_text(text[: first_hunk + 1] + line + "\n" + text[first_hunk + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("+    scheduler = SimpleNamespace(block_size=16)", "SimpleNamespace"),
+        ("+from types import SimpleNamespace", "SimpleNamespace"),
+        ("+    assert manager._checkpoints[req.request_id] == (64, 0)", "_checkpoints"),
+        ("+    n = Scheduler._mamba_block_aligned_split(stub, request, 8)", "_mamba_block"),
+    ],
+)
+@pytest.mark.parametrize("pr", PRS)
+def test_a_stub_or_private_attribute_in_a_patch_test_is_named(
+    copy: Path, pr: str, line: str, named: str
+) -> None:
+    patch = copy / pr / "fix.patch"
+    _add_test_line(patch, line)
+    (problem,) = upstream_check.form_problems(copy)
+    assert problem.startswith(f"{patch}:") and named in problem
+    assert "tests/AGENTS.md" in problem
+
+
+def test_dunders_helpers_and_the_vllm_part_are_not_private_attributes(copy: Path) -> None:
+    """A module-level ``_helper(...)`` call, a dunder, a comment that names what
+    the test avoids and vLLM's own code are fine."""
+    patch = copy / PRS[0] / "fix.patch"
+    _add_test_line(patch, "+    assert _split(request, 8) == type(request).__name__")
+    _add_test_line(patch, "+    # a real Scheduler, not a SimpleNamespace reaching obj._state")
+    text = patch.read_text()
+    vllm_hunk = text.index("\n+", text.index("+++ b/vllm/"))
+    patch.write_text(
+        text[: vllm_hunk + 1]
+        + "+        self._private = SimpleNamespace()\n"
+        + text[vllm_hunk + 1 :]
+    )
+    assert upstream_check.form_problems(copy) == []
+
+
+@pytest.mark.parametrize("pr", PRS)
+def test_every_speculation_test_builds_a_speculative_config(pr: str) -> None:
+    """The committed patches: each names the server's speculative settings and
+    builds them from a ``SpeculativeConfig`` (guarded by ``form_problems`` too)."""
+    tests, _, _ = (
+        (upstream_check.UPSTREAM / pr / "fix.patch").read_text().partition("diff --git a/vllm/")
+    )
+    tests = "\n".join(line for line in tests.splitlines() if line.startswith("+"))
+    assert "SpeculativeConfig(" in tests
+    assert "num_speculative_tokens=" in tests
+
+
+@pytest.mark.parametrize("pr", PRS)
+def test_a_speculation_test_without_a_speculative_config_is_named(copy: Path, pr: str) -> None:
+    """Set by hand (``num_prefill_lookahead = 3``, ``use_eagle=True``), the lookahead
+    and block drop are values no server resolves: the patch must build them."""
+    patch = copy / pr / "fix.patch"
+    tests, sep, vllm_part = patch.read_text().partition("diff --git a/vllm/")
+    assert "SpeculativeConfig(" in tests
+    patch.write_text(tests.replace("SpeculativeConfig(", "make_config(") + sep + vllm_part)
+    (problem,) = upstream_check.form_problems(copy)
+    assert problem.startswith(f"{patch}:")
+    assert "builds no SpeculativeConfig" in problem
+
+
+def test_a_test_without_speculation_needs_no_speculative_config(copy: Path) -> None:
+    patch = copy / PRS[0] / "fix.patch"
+    tests, sep, vllm_part = patch.read_text().partition("diff --git a/vllm/")
+    kept = [
+        line
+        for line in tests.splitlines()
+        if not (line.startswith("+") and upstream_check.SPECULATION_SETTINGS.search(line))
+    ]
+    patch.write_text(
+        "\n".join(kept).replace("SpeculativeConfig(", "make_config(") + "\n" + sep + vllm_part
+    )
+    assert upstream_check.form_problems(copy) == []
 
 
 def test_an_rfc_over_the_word_limit_is_named(copy: Path) -> None:
