@@ -225,10 +225,40 @@ def test_the_range_variable_is_a_tensor_only_with_the_mod(
     assert "'int' object has no attribute 'to'" in raw.get("error", ""), raw
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get(SERVE_ENV) != "1", reason=f"minutes of warm-up; {SERVE_ENV}=1")
-def test_the_patched_release_serves_mtp_with_the_fix_on(tmp_path: Path) -> None:
-    from kit.bench.openai_client import complete
+# Loaded first in every process of a server started with it on PYTHONPATH (API
+# server, engine core, worker): once vLLM's V2 runner module is imported, its report
+# of the exports written says none, as a runner that withholds it would.
+_WITHHOLD_REPORT = r"""
+import importlib.abc, importlib.util, sys
+
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+
+
+class _Withhold(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != RUNNER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.mamba_checkpoint_exports_written = lambda *args, **kwargs: {}
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Withhold())
+"""
+
+
+def serve_pair(tmp_path: Path, withhold: bool) -> tuple[list, str]:
+    """The bench's pair on the patched 0.34.0 tree's server (MTP, the fix on, its
+    step log): A, then B, then B again after a prefix-cache reset (the cold
+    reference); the three completions and the server's log."""
+    from kit.bench.openai_client import complete, reset_prefix_cache
     from kit.bench.serve import Server
     from kit.bench.serve_args import (
         CHECKPOINT_ENV,
@@ -237,23 +267,53 @@ def test_the_patched_release_serves_mtp_with_the_fix_on(tmp_path: Path) -> None:
         SERVED_NAME,
         cpu_serve_args,
     )
+    from kit.bench.step_log import FLAG
     from kit.weights.tiny_model import write_tiny_model
 
     tree = releases.tree(RELEASE, "patched")
     model = write_tiny_model(tmp_path / "tiny-qwen3-next", weights=True)
     flag = mods.load_mod("fix-eagle-fine-prefix-lookahead").manifest["enable_flag"]
-    args = [*cpu_serve_args(model, CPU_BLOCK, UNIT, 1, INTERNAL_BATCHED_TOKENS), flag]
+    args = [*cpu_serve_args(model, CPU_BLOCK, UNIT, 1, INTERNAL_BATCHED_TOKENS), flag, FLAG]
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", CHECKPOINT_ENV: "1", **tree.serve_env}
+    if withhold:
+        hook = tmp_path / "withhold"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(_WITHHOLD_REPORT)
+        env["PYTHONPATH"] = os.pathsep.join([*tree.search_path, str(hook)])
     # The bench's pair on a hash-aligned context (S mod H = 0): A = context + ".",
-    # B = context + a 48-token user turn. Measured on this run's trees: the unpatched
-    # server resumes B at 2048 (the block boundary), the patched one with the fix on
-    # one unit below the context (S = 1008: 0 and 992; S = 2048: 0 and 2032).
+    # B = context + a 48-token user turn.
     context = [100 + (i * 7919) % 900 for i in range(2144)]
     turn = [100 + (i * 104729) % 900 for i in range(48)]
-    with Server(
-        "patched", args, tmp_path / "server.log", tree=tree, env=env, startup_timeout=1200.0
-    ) as server:
+    log = tmp_path / "server.log"
+    with Server("patched", args, log, tree=tree, env=env, startup_timeout=2400.0) as server:
         first = complete(server.url, SERVED_NAME, [*context, 13], max_tokens=1)
         follow = complete(server.url, SERVED_NAME, context + turn, max_tokens=4)
-    assert first.cached_tokens == 0
-    assert follow.cached_tokens == len(context) - UNIT
+        reset_prefix_cache(server.url)
+        cold = complete(server.url, SERVED_NAME, context + turn, max_tokens=4)
+    return [first, follow, cold], log.read_text(errors="replace")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get(SERVE_ENV) != "1", reason=f"minutes of warm-up; {SERVE_ENV}=1")
+@pytest.mark.parametrize("withhold", [False, True], ids=["reported", "withheld"])
+def test_the_fix_keys_only_what_the_worker_reports_written(tmp_path: Path, withhold: bool) -> None:
+    """The fence in a real engine. Reported: B resumes one unit below the context
+    (the fix's state, exported in A's pass), every export planned is reported
+    written and keyed. Withheld (a runner that reports none written): nothing is
+    keyed, B falls back to the block boundary as unpatched does (measured: 2048),
+    and its answer is the cold one: no state is read that was not reported."""
+    from kit.bench.step_log import FENCE
+
+    (first, follow, cold), log = serve_pair(tmp_path, withhold)
+    counts = [
+        tuple(int(m[k]) for k in ("planned", "written", "keyed")) for m in FENCE.finditer(log)
+    ]
+    planned = sum(c[0] for c in counts)
+    assert first.cached_tokens == 0 and planned > 0, counts
+    if withhold:
+        assert all(c[1:] == (0, 0) for c in counts), counts
+        assert follow.cached_tokens == 2048
+    else:
+        assert all(c == (c[0], c[0], c[0]) for c in counts), counts
+        assert follow.cached_tokens == 2144 - UNIT
+    assert follow.token_ids == cold.token_ids
