@@ -215,7 +215,11 @@ def serve_plan(plan: BenchPlan) -> Served:
     default's tiny model (``tiny_served``); with --step-log, vLLM's per-step log."""
     served = locked_served(plan) if plan.model else tiny_served(plan)
     if plan.logs_steps:
-        served = served._replace(base=[*served.base, step_log.FLAG])
+        # vLLM logs its steps (and the fence its counts) at INFO: a shell that
+        # quietened vLLM (VLLM_LOGGING_LEVEL=ERROR) would leave the log empty.
+        served = served._replace(
+            base=[*served.base, step_log.FLAG], env={**served.env, **step_log.ENV}
+        )
     return served
 
 

@@ -14,6 +14,8 @@ import statistics
 from pathlib import Path
 
 FLAG = "--enable-logging-iteration-details"
+# The level both lines are logged at, for servers started with FLAG.
+ENV = {"VLLM_LOGGING_LEVEL": "INFO"}
 # vLLM 0.32.0's line (v1/metrics/loggers.py _log_iteration_details).
 LINE = re.compile(
     r"Iteration\(\d+\): \d+ context requests, (?P<ctx>\d+) context tokens, "

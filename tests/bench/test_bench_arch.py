@@ -24,7 +24,7 @@ from kit.bench import serve_args, ttft, turn_cost
 from kit.bench.plan import BenchPlan, BenchPlanError, ClientRole, child_argv
 from kit.bench.serve import Server
 from kit.images import orchestrate
-from kit.vllm_tree import trees
+from kit.vllm_tree import releases, trees
 from kit.weights import tiny_model
 
 pytestmark = pytest.mark.cpu
@@ -152,7 +152,8 @@ def fake_trees(tmp_path: Path, monkeypatch) -> dict[str, trees.Tree]:
         package = tmp_path / "trees" / name / "vllm"
         package.mkdir(parents=True)
         made[name] = trees.Tree(name, package)
-    monkeypatch.setattr(trees, "pinned", lambda name, target="cpu": made[name])
+    # The bench takes its trees from the plan's release (releases.tree).
+    monkeypatch.setattr(releases, "tree", lambda version, stage="unpatched": made[stage])
     return made
 
 
@@ -215,7 +216,7 @@ def test_qwen3_next_servers_get_no_stand_in(fake_trees, tmp_path: Path, monkeypa
 
 def test_external_servers_get_nothing(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(tiny_model, "needs_vision_stand_in", lambda arch: True)
-    monkeypatch.setattr(trees, "pinned", lambda *a, **k: pytest.fail("no tree for --server-url"))
+    monkeypatch.setattr(releases, "tree", lambda *a, **k: pytest.fail("no tree for --server-url"))
     urls = ["--server-url", "unpatched=http://u:1", "--server-url", "patched=http://p:2"]
     seen, _ = _start(bench.parse_args(["--arch", Q35, *urls]), {}, tmp_path / "o", monkeypatch)
     assert all("PYTHONPATH" not in e for e in seen.values())
@@ -270,7 +271,7 @@ def test_the_model_label(record: dict, label: str) -> None:
 DRIVER = """
 import json, sys
 from pathlib import Path
-import kit.bundle, kit.bench.serve, kit.vllm_tree.trees, kit.bench.ttft
+import kit.bundle, kit.bench.serve, kit.vllm_tree.releases, kit.vllm_tree.trees, kit.bench.ttft
 state, package = Path(sys.argv[1]), Path(sys.argv[2])
 def fake(host, port, args):
     folder = state / str(port)
@@ -288,7 +289,7 @@ def fake(host, port, args):
     return [sys.executable, "-c", dump, script, "--port", str(port), "--state", str(folder)]
 kit.bench.serve.server_command = fake
 trees = kit.vllm_tree.trees
-trees.pinned = lambda name, target="cpu": trees.Tree(name, package / name / "vllm")
+kit.vllm_tree.releases.tree = lambda version, stage: trees.Tree(stage, package / stage / "vllm")
 # Whether any server had been started when the trees' records were read.
 kit.vllm_tree.trees.Tree.mods_record = lambda self: {
     "mods": [], "servers_started": any(state.glob("*/args.json"))

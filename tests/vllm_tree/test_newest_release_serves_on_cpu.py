@@ -267,14 +267,14 @@ def serve_pair(tmp_path: Path, withhold: bool) -> tuple[list, str]:
         SERVED_NAME,
         cpu_serve_args,
     )
-    from kit.bench.step_log import FLAG
+    from kit.bench.step_log import ENV, FLAG
     from kit.weights.tiny_model import write_tiny_model
 
     tree = releases.tree(RELEASE, "patched")
     model = write_tiny_model(tmp_path / "tiny-qwen3-next", weights=True)
     flag = mods.load_mod("fix-eagle-fine-prefix-lookahead").manifest["enable_flag"]
     args = [*cpu_serve_args(model, CPU_BLOCK, UNIT, 1, INTERNAL_BATCHED_TOKENS), flag, FLAG]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", CHECKPOINT_ENV: "1", **tree.serve_env}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", CHECKPOINT_ENV: "1", **tree.serve_env, **ENV}
     if withhold:
         hook = tmp_path / "withhold"
         hook.mkdir()
