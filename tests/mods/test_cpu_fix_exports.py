@@ -72,13 +72,18 @@ def compiled_ops() -> Path:
     from vllm.platforms.cpu import CpuPlatform
 
     CpuPlatform.import_kernels()
-    mapped = {
+    mapped = _mapped_compiled_ops()
+    assert len(mapped) == 1, mapped
+    return mapped.pop()
+
+
+def _mapped_compiled_ops() -> set[Path]:
+    """The vLLM CPU kernel libraries this process has loaded."""
+    return {
         Path(line.split()[-1])
         for line in Path("/proc/self/maps").read_text().splitlines()
         if line.endswith(".so") and "/vllm/_C" in line
     }
-    assert len(mapped) == 1, mapped
-    return mapped.pop()
 
 
 def _layer(gdn_layer, config, seed: int, prefix: str = PREFIX):  # noqa: ANN001, ANN202
@@ -118,7 +123,11 @@ def _on_tree(model_dir: Path, out: Path, library: str) -> None:  # noqa: C901 - 
     # The layer module before HAS_TRITON is set: with it, its Triton imports fail here.
     import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as gdn_layer  # noqa: I001
 
-    torch.ops.load_library(library)
+    # The release's trees carry the pinned wheel's compiled ops where a mod asks for
+    # them (mods/cpu-triton-interpreter: the same file), and importing the layer has
+    # then loaded them already: a second registration of the _C namespace aborts.
+    if not _mapped_compiled_ops():
+        torch.ops.load_library(library)
     import itertools
     from dataclasses import replace
     from types import SimpleNamespace
