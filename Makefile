@@ -201,7 +201,7 @@ test-strix: setup-host ## the regression suite and vLLM's prefix suite inside bo
 test-cpu: setup ## the regression suite and vLLM's prefix suite inside both cpu images
 	$(ORCH) cpu --tests-only
 
-# var VLLM: a vLLM release from pins.toml (regress, upstream-suite: unset the pinned one; gb10/strix images: unset 0.34.0; bench-cpu: only the CPU wheel's, others refused)
+# var VLLM: a vLLM release from pins.toml (regress, upstream-suite: unset the pinned one; gb10/strix images: unset 0.34.0; bench-cpu: unset the CPU wheel's, 0.34.0 under Triton's interpreter, others refused)
 VLLM ?=
 
 STRESS_SEEDS ?= 20
