@@ -820,7 +820,7 @@ def run(plan: BenchPlan, out: Path, served: Served) -> int:
         "run": run_record(
             servers,
             tree_records,
-            plan.release,
+            plan.vllm,
             {tree: dict(found.serve_env) for tree, found in pinned.items()},
         ),
         "engine_steps": step_log.from_logs(logs) if plan.logs_steps else None,
