@@ -117,13 +117,17 @@ def check_bar(cell: str, median: float, upper: float) -> None:
     "met" when the interval's upper end is at or below the bar, else "missed" with the
     median beside it; never a softer word."""
     bar_text, verdict = cell.split(":", 1)
-    bar = float(bar_text)
+    check_verdict(cell, verdict, upper <= float(bar_text), median)
+
+
+def check_verdict(cell: str, verdict: str, met: bool, median: float) -> None:
+    """ "met" where the bar is met, else "missed (median x.xx)" with the bundle's median."""
     verdict = verdict.strip()
-    if upper <= bar:
-        assert verdict == "met", (cell, upper)
+    if met:
+        assert verdict == "met", cell
         return
     missed = re.fullmatch(r"missed \(median (\d\.\d\d)\)", verdict)
-    assert missed, (cell, upper)
+    assert missed, cell
     assert same(missed[1], median), (cell, median)
 
 
@@ -135,38 +139,32 @@ def check_control_bar(cell: str, median: float, upper: float) -> None:
 
     bars, verdict = cell.split(":", 1)
     assert bars.strip() == f"{CONTROL_BAR['median']:.2f} / {CONTROL_BAR['upper']:.2f}", cell
-    verdict = verdict.strip()
-    if median <= CONTROL_BAR["median"] and upper <= CONTROL_BAR["upper"]:
-        assert verdict == "met", (cell, median, upper)
-        return
-    missed = re.fullmatch(r"missed \(median (\d\.\d\d)\)", verdict)
-    assert missed, (cell, median, upper)
-    assert same(missed[1], median), (cell, median)
+    met = median <= CONTROL_BAR["median"] and upper <= CONTROL_BAR["upper"]
+    check_verdict(cell, verdict, met, median)
 
 
-def test_the_control_verdict_check_can_fail() -> None:
-    check_control_bar("1.20 / 1.35: met", 1.10, 1.30)
-    check_control_bar("1.20 / 1.35: missed (median 1.25)", 1.25, 1.30)
-    check_control_bar("1.20 / 1.35: missed (median 1.10)", 1.10, 1.40)
-    for cell, median, upper in (
-        ("1.20 / 1.35: met", 1.25, 1.30),
-        ("1.20 / 1.35: met", 1.10, 1.40),
-        ("1.20: met", 1.10, 1.30),
-    ):
+@pytest.mark.parametrize(
+    "check,cell,median,upper,right",
+    [
+        (check_bar, "0.40: met", 0.35, 0.40, True),
+        (check_bar, "0.40: missed (median 0.35)", 0.35, 0.53, True),
+        (check_bar, "0.40: met", 0.35, 0.53, False),
+        (check_bar, "0.40: median yes, interval no", 0.35, 0.53, False),
+        (check_bar, "0.40: missed (median 0.36)", 0.35, 0.53, False),
+        (check_control_bar, "1.20 / 1.35: met", 1.10, 1.30, True),
+        (check_control_bar, "1.20 / 1.35: missed (median 1.25)", 1.25, 1.30, True),
+        (check_control_bar, "1.20 / 1.35: missed (median 1.10)", 1.10, 1.40, True),
+        (check_control_bar, "1.20 / 1.35: met", 1.25, 1.30, False),
+        (check_control_bar, "1.20 / 1.35: met", 1.10, 1.40, False),
+        (check_control_bar, "1.20: met", 1.10, 1.30, False),
+    ],
+)
+def test_the_verdict_checks_can_fail(check, cell, median, upper, right) -> None:  # noqa: ANN001
+    if right:
+        check(cell, median, upper)
+    else:
         with pytest.raises(AssertionError):
-            check_control_bar(cell, median, upper)
-
-
-def test_the_verdict_check_can_fail() -> None:
-    check_bar("0.40: met", 0.35, 0.40)
-    check_bar("0.40: missed (median 0.35)", 0.35, 0.53)
-    for cell, median, upper in (
-        ("0.40: met", 0.35, 0.53),
-        ("0.40: median yes, interval no", 0.35, 0.53),
-        ("0.40: missed (median 0.36)", 0.35, 0.53),
-    ):
-        with pytest.raises(AssertionError):
-            check_bar(cell, median, upper)
+            check(cell, median, upper)
 
 
 def test_the_readme_headline_is_the_named_bundle() -> None:

@@ -101,18 +101,10 @@ def control_by_rep(rows: list[dict], tree: str, key: str = "ttft_s") -> dict:
 
 
 def _stats(by_rep: dict) -> dict:
-    """n, median, the repetition bootstrap's 95 % interval, min and max of the ratios."""
-    ratios = sorted(r for group in by_rep.values() for r in group)
-    return {
-        "n": len(ratios),
-        "median": statistics.median(ratios),
-        "ci95": list(cluster_bootstrap_median_ci(list(by_rep.values()))),
-        "min": ratios[0],
-        "max": ratios[-1],
-        # Per repetition (JSON keys are strings), so the pooled ratio can be
-        # drawn again over whole repetitions from the summary alone.
-        "by_rep": {str(rep): group for rep, group in sorted(by_rep.items())},
-    }
+    """``ratio_stats``, and the ratios per repetition (JSON keys are strings), so the
+    pooled ratio can be drawn again over whole repetitions from the summary alone."""
+    by_rep_text = {str(rep): group for rep, group in sorted(by_rep.items())}
+    return {**ratio_stats(by_rep), "by_rep": by_rep_text}
 
 
 def control_ratio(rows: list[dict], key: str = "ttft_s") -> dict | None:
@@ -239,7 +231,12 @@ def paired_ratio(rows: list[dict], key: str, drop_paused: bool = False) -> dict:
     """The paired ratios of ``key`` (``paired_ratios``): how many, median, min, max, and
     the 95 % bootstrap interval of the median over whole repetitions
     (``cluster_bootstrap_median_ci``)."""
-    by_rep = ratios_by_rep(rows, key, drop_paused)
+    return ratio_stats(ratios_by_rep(rows, key, drop_paused))
+
+
+def ratio_stats(by_rep: dict) -> dict:
+    """How many ratios, their median, min, max, and the 95 % bootstrap interval of the
+    median over whole repetitions (``by_rep``: repetition -> its ratios)."""
     ratios = sorted(r for group in by_rep.values() for r in group)
     return {
         "n": len(ratios),
