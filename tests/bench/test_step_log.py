@@ -101,3 +101,29 @@ def test_servers_started_elsewhere_are_refused() -> None:
         text=True,
     )
     assert done.returncode == 2 and "--step-log reads the logs" in done.stderr
+
+
+def test_the_fence_counts_sum_per_tree_and_name_what_went_wrong(tmp_path: Path) -> None:
+    """The fenced fix's step-log lines summed per tree; the bench fails when the server
+    under test exported none, or a count falls short of the one before it."""
+    line = (
+        "INFO [scheduler.py:2503] Mamba checkpoint exports: "
+        "{} planned, {} reported written, {} keyed"
+    )
+    patched = tmp_path / "server-patched.log"
+    patched.write_text("\n".join([line.format(2, 2, 2), "noise", line.format(3, 3, 3)]) + "\n")
+    unpatched = tmp_path / "server-unpatched.log"
+    unpatched.write_text("Iteration(1): no exports here\n")
+    counts = step_log.fence({"unpatched": [unpatched], "patched": [patched]})
+    assert counts == {"patched": {"steps": 2, "planned": 5, "written": 5, "keyed": 5}}
+    assert step_log.fence_problems(counts, "patched") == []
+    assert "5 planned, 5 reported written, 5 keyed, in 2 steps" in step_log.fence_lines(counts)[0]
+    assert step_log.fence_problems({}, "patched") == [
+        "fence: the patched server's step log shows no export of the fix"
+    ]
+    short = {"patched": {"steps": 1, "planned": 4, "written": 3, "keyed": 2}}
+    assert step_log.fence_problems(short, "patched") == [
+        "fence: patched planned 4 exports, the worker reported 3 written",
+        "fence: patched keyed 2 of 3 exports reported written",
+    ]
+    assert step_log.fence_lines(None) == []
