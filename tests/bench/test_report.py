@@ -37,6 +37,27 @@ def test_two_bundles_side_by_side(bundle: Path, tmp_path: Path) -> None:
     assert text.count("cached_B") >= 2
 
 
+def test_two_bundles_with_the_control_compare_it_side_by_side(tmp_path: Path) -> None:
+    """Bundles with the control show its patched ratio per S beside each other; one
+    from before it leaves the columns out."""
+    with_control = [b for b in BUNDLES if "control_B" in (b / "raw.json").read_text()]
+    without = [b for b in BUNDLES if b not in with_control]
+    assert with_control and without
+    other = tmp_path / "copy"
+    other.mkdir()
+    (other / "bench.json").write_text((with_control[-1] / "bench.json").read_text())
+    text = report.render([with_control[-1], other])
+    side = text[text.index("## Side by side: cached follow-up") :]
+    assert "patched B/control" in side
+    older = report.render([without[-1], other])
+    assert "patched B/control" in older[older.index("## Side by side: cached follow-up") :]
+    alone = tmp_path / "old"
+    alone.mkdir()
+    (alone / "bench.json").write_text((without[-1] / "bench.json").read_text())
+    oldest = report.render([without[-1], alone])
+    assert "patched B/control" not in oldest[oldest.index("## Side by side: cached follow-up") :]
+
+
 def test_not_a_bundle(tmp_path: Path) -> None:
     with pytest.raises(bundle_module.BundleError, match="no bench.json"):
         report.render([tmp_path])
