@@ -8,7 +8,7 @@ prefix cache is reset and B is sent once more (cold: upper bound, and the
 correctness reference for the cached B). After the repeat, a control: a fresh
 context loaded cold, then a follow-up that resumes at its block boundary and
 prefills as many uncached tokens as the fix's cached B, in the fewest engine steps
-vLLM gives such a resume (cached B / control: how far cached B is from that floor).
+the tree gives such a resume (cached B / control: how far cached B is from that floor).
 Also a 4-turn conversation.
 Every request's cached-token count must equal the geometry model's number and
 every cached answer must pass the oracle (``kit/bench/oracle.py``); otherwise

@@ -184,19 +184,18 @@ def control_requests(
     fix at this S (``boundary_control``: the hit is the geometry model's on both trees).
 
     Its engine steps (``chunk_ends``) are the fewest any resumed prompt of that many
-    uncached tokens gets on vLLM 0.32.0, on both trees: the resume is on a block
-    boundary, so no chunk ends at the next one (the scheduler's mid-block stop,
-    ``Scheduler._mamba_block_aligned_split``), and nothing else of the fix's stops
-    there. It is not one step: at 32 or more uncached tokens (EAGLE drop) the
-    prompt's own checkpoint, floor(N/H)*H - H, lies inside the chunk, and
-    ``is_mamba_prefill_checkpoint_valid`` (``v1/kv_cache_interface.py``) refuses
-    the in-pass export for any chunk that ends less than two block columns above
-    its initial state's (``cdiv(end, B) - 2 > (start - 1) // B``: false for a
-    block-aligned start and a tail under one block), so the scheduler ends a chunk
-    at that checkpoint: two steps, as cached B takes at S 900, 1007 and 2159
-    (three at S 2048, whose resume at 2032 crosses the boundary). A request of
-    fewer uncached tokens would be one step but not the same work (repeat B is
-    that: one step over the tokens above its prompt checkpoint)."""
+    uncached tokens gets on the tree: the resume is on a block boundary, so no
+    chunk ends at the next one (the scheduler's mid-block stop,
+    ``Scheduler._mamba_block_aligned_split``). The prompt's own checkpoint,
+    floor(N/H)*H - H, lies inside the chunk, and ``is_mamba_prefill_checkpoint_valid``
+    refuses the in-pass export for any chunk that ends less than two block
+    columns above its initial state's, so vLLM ends a chunk there: two steps
+    unpatched and on the split path. The fix exports it into a block of its own
+    where the layer exports several states per row: one step, as cached B takes
+    at S 900, 1007 and 2159 (two at S 2048, whose resume at 2032 crosses the
+    boundary). A request of fewer uncached tokens would be one step on both trees
+    but not the same work (repeat B is that: one step over the tokens above its
+    prompt checkpoint)."""
     control = boundary_control(geo)
     rng = random.Random(f"control-tail-{rep}-{shared}")
     ctx = context(rep, shared, "control", control.context)

@@ -178,9 +178,9 @@ def control_lines(summary: list[dict]) -> list[str]:
     return [
         "Cached B against its control, each tree's own (cached B TTFT / control TTFT of "
         "the same repetition and S; the control resumes a fresh context at a block "
-        "boundary and prefills as many uncached tokens as the fix's cached B, in the "
-        "fewest engine steps vLLM gives such a resume, which is not one at 32 tokens or "
-        "more (docs/methodology.md); bar: median at most "
+        "boundary and prefills as many uncached tokens as the fix's cached B: one engine "
+        "step on the patched internal path, two unpatched and on the split path "
+        "(docs/methodology.md); bar: median at most "
         f"{CONTROL_BAR['median']:.2f} and interval's upper end at most "
         f"{CONTROL_BAR['upper']:.2f}):",
         "",

@@ -329,24 +329,30 @@ def fix_exports(
     Mamba2 with ``fix-eagle-fine-prefix-exports``; elsewhere the fix declines
     the layer's export instead), at any offset at least one hash unit into the
     chunk: a layer whose kernel emits on a grid runs the rest of the way itself
-    (FlashInfer GDN: a short recurrence from the emitted state below). Never the
-    prompt checkpoint, which the layer exports or the scheduler stops at anyway.
-    Where the tree does (``fix_exports_block_boundary``), also the last block
-    boundary, which a chunk that runs past it keeps no state at; where the split
-    path stops there it is a chunk end instead. ``lookahead`` only moves the
+    (FlashInfer GDN: a short recurrence from the emitted state below). Where the
+    tree does (``fix_exports_block_boundary``), also the last block boundary,
+    which a chunk that runs past it keeps no state at; where the split path
+    stops there it is a chunk end instead. ``lookahead`` only moves the
     positions (``cp``).
+
+    The prompt checkpoint only in the prompt's final chunk (the whole rest fits
+    the step's budget) where the layer cannot export it into the block table
+    (``_exportable``: the chunk ends in its initial state's block or the next):
+    there the scheduler would stop at it, a second engine step for a resumed
+    follow-up. Elsewhere the layer exports it or the scheduler stops at it.
     """
     if case.geometry.checkpoint_alignment is None or not case.geometry.layer_extra_exports:
         return ()
-    return tuple(
-        sorted(
-            {
-                p
-                for p in cp.exportable()
-                if start < p < end and p != cp.tail and p - start >= case.unit
-            }
-        )
-    )
+    n = case.producer_len
+    own = {p for p in cp.exportable() if p != cp.tail}
+    if (
+        case.eagle
+        and end >= n
+        and n - start <= case.budget
+        and not _exportable(case, start, n, cp.tail)
+    ):
+        own.add(cp.tail)
+    return tuple(sorted(p for p in own if start < p < end and p - start >= case.unit))
 
 
 def resumed_fix_skips(case: Case, cp: Checkpoints, resume: int) -> set[int]:

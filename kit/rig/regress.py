@@ -152,6 +152,9 @@ def measure(
         )
         rows[case_id] = {
             "a_chunk_ends": rig.chunk_ends[a.request_id],
+            # B's engine steps from its hit: a follow-up's cost in steps.
+            "b_chunk_ends": rig.chunk_ends[b.request_id],
+            "b_len": len(b.prompt),
             "fa_match": bounds.fa_match,
             "fa_eagle": bounds.fa_eagle,
             "hit": b.hit,
@@ -395,6 +398,9 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
                 "a_steps": len(row["a_chunk_ends"]),
                 "verdict": verdict(case, row, patched),
             }
+            if "b_chunk_ends" in row:  # measured before B's steps were recorded: none
+                cell["b_steps"] = len(row["b_chunk_ends"])
+                cell["b_len"] = row["b_len"]
             if patched is not None:
                 model = expected(
                     as_measured(case, row), patched, row["hash_lookahead"], row.get("retention")
@@ -450,6 +456,7 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
         "eagle_specific_loss": {
             k: loss_totals([r[k]["eagle_loss"] for r in rows]) for k in modelled
         },
+        "resumed_steps": {k: resumed_steps(rows, k) for k in modelled},
         "cold_extra_steps": {
             h: cold_extra_steps(rows, column(roles[h]["base"], h), column(roles[h]["fix"], h))
             for h in paired
@@ -464,6 +471,30 @@ def build(version: str, measured: dict[tuple[str, str], dict], checkpoints: str 
             "pins_sha256": pins.file_sha256(),
         },
     }
+
+
+def resumed_steps(rows: list[dict], col: str) -> dict[str, int]:
+    """Engine steps of every speculative case's follow-up B that resumed inside a
+    block (the fix is on only under EAGLE/MTP): how many took one, and how many
+    took more while the rest of B stays in the block it resumed in (the prompt
+    checkpoint's stop, which the fix's in-pass export removes where the layer
+    exports) or crosses a block boundary (the mid-block stop: the boundary
+    state needs a chunk end). Empty for a table measured before B's steps."""
+    out = {"one_step": 0, "more_within_block": 0, "more_across_boundary": 0}
+    for r in rows:
+        cell = r[col]
+        hit, block = cell["hit"], r["B_phys"]
+        if "b_steps" not in cell:
+            return {}
+        if not r["k"] or not hit % block:
+            continue
+        if cell["b_steps"] == 1:
+            out["one_step"] += 1
+        elif (hit // block + 1) * block >= cell["b_len"]:
+            out["more_within_block"] += 1
+        else:
+            out["more_across_boundary"] += 1
+    return out
 
 
 def cold_extra_steps(rows: list[dict], base: str, fix: str) -> dict[str, int]:
@@ -610,6 +641,10 @@ def render(report: dict, sections: Sequence[str] = ()) -> str:
             "",
             "Engine steps the fix adds to a cold prompt (A's chunk ends, patched minus "
             f"unpatched; most in one case, cases with any): {report['cold_extra_steps']}",
+            "",
+            "Engine steps of a follow-up B that resumed inside a block, speculative cases "
+            "(one; more with B's rest inside that block; more across a block boundary): "
+            f"{report.get('resumed_steps', {})}",
             "",
             f"Cache geometry identical across trees: {report['geometry_identical']}.",
             "",

@@ -137,6 +137,7 @@ def run(
         print(f"[{regime}] fix effect: {report['fix_effect']}")
         print(f"[{regime}] EAGLE-specific loss (cases, tokens): {report['eagle_specific_loss']}")
         print(f"[{regime}] cold prompts, steps the fix adds: {report['cold_extra_steps']}")
+        print(f"[{regime}] follow-ups resumed mid-block, steps: {report['resumed_steps']}")
         print(f"[{regime}] later turns: {report['later_turns_summary']}")
         print(f"[{regime}] cache geometry identical across trees: {report['geometry_identical']}")
         print(f"[{regime}] wrote {where / 'regression.json'} and regression.md")

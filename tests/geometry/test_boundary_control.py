@@ -64,20 +64,32 @@ def test_the_controls_tail_is_the_fixs_cached_b_tail() -> None:
 @pytest.mark.parametrize("patched", [False, True])
 def test_the_control_takes_cached_bs_steps_less_the_mid_block_stop(patched: bool) -> None:
     """The control's chunks from 2048: the prompt checkpoint floor(N/16)*16 - 16 is
-    inside and cannot be exported (its column is the initial state's), so two steps,
-    48 tokens then the rest: the fix's cached B at S 900, 1007 and 2159 has the same
-    shape; at S 2048 it resumes at 2032 and also stops at the boundary (three)."""
+    inside and the layer cannot export it into the block table (its column is the
+    initial state's). Unpatched: two steps, 48 tokens then the rest. Patched: the
+    fix exports it into a block of its own, one step. The fix's cached B at S 900,
+    1007 and 2159 has the same shape; at S 2048 it resumes at 2032 and also stops
+    at the boundary (one more)."""
     control = boundary_control(CPU)
     for shared in SHARED:
         b_len = shared + ttft.TURN_LEN
         hit = ttft.fix_hit(CPU, shared)
         tail = b_len - hit
         ends = resumed_chunk_ends(CPU, control.prompt_len(tail), control.resume, patched)
-        assert ends == (2048 + 48, 2048 + tail), shared
+        assert ends == ((2048 + tail,) if patched else (2048 + 48, 2048 + tail)), shared
         cached = resumed_chunk_ends(CPU, b_len, hit, patched)
         steps = [e - s for s, e in zip((hit, *cached), cached, strict=False)]
         control_steps = [e - s for s, e in zip((2048, *ends), ends, strict=False)]
         if shared == 2048:
-            assert cached == (2048, 2080, 2096) and steps == [16, 32, 16]
+            assert steps == ([16, 48] if patched else [16, 32, 16])
         else:
             assert steps == control_steps, shared
+
+
+def test_the_split_path_control_stays_two_steps() -> None:
+    """Without internal checkpoints the prompt checkpoint is a chunk end on both trees."""
+    control = boundary_control(SPLIT)
+    for patched in (False, True):
+        assert resumed_chunk_ends(SPLIT, control.prompt_len(79), control.resume, patched) == (
+            2096,
+            2127,
+        )

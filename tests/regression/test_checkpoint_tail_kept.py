@@ -139,14 +139,14 @@ def test_block_boundary_chunk_end_with_an_export_one_column_below(tiny_model_dir
 
 def test_the_eagle_fix_masks_the_kept_branch_loss(tiny_model_dir, tree_is_patched: bool) -> None:
     """Patched tree only: fix-eagle-fine-prefix keeps 368 and 384 (one unit below
-    the last block boundary and below the prompt checkpoint) as exports of the
-    first chunk (the layer writes its extra states at any offset), so that chunk
-    ends at the prompt checkpoint 400 with no export of its own, and 400 is
-    published from the chunk end."""
+    the last block boundary and below the prompt checkpoint) as exports (the layer
+    writes its extra states at any offset), and the prompt checkpoint 400 too,
+    which the layer cannot export into the block table (off its 64-token grid):
+    one chunk, no stop at 400, and 400 is published from its own block."""
     if not tree_is_patched:
         pytest.skip("fix-eagle-fine-prefix's switch exists only on the patched tree")
     rig, a, b, bounds = run_case(tiny_model_dir, KEPT_BOUNDARY, fix=True)
-    assert rig.chunk_ends[a.request_id] == [400, 420]
-    assert rig.fix_exports[a.request_id] == [368, 384]
+    assert rig.chunk_ends[a.request_id] == [420]
+    assert rig.fix_exports[a.request_id] == [368, 384, 400]
     assert 400 in rig.partial_entries_of(a.request_id, MAMBA_GROUP)
     assert b.hit == bounds.hit == 400 and b.resumed_from_own_prefix()

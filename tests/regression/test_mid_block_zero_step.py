@@ -9,17 +9,19 @@ tests pin today's chunk counts (passing) and the zero-step counts (strict
 xfail): when a layer and the scheduler learn the in-pass boundary export, the
 xfails start passing and must be turned around.
 
-A second, different extra step is pinned too: the cached-B shape of the README's
-'What is open' (S = 2159, block 2048), whose chunk never reaches a block
-boundary; its second step comes from ``is_mamba_prefill_checkpoint_valid``'s
-column rule, not from the mid-block stop.
+A second, different extra step is gone on the patched tree: the bench's cached
+B (S = 2159, block 2048), whose chunk never reaches a block boundary, stopped at
+its prompt checkpoint because ``is_mamba_prefill_checkpoint_valid``'s column
+rule refuses the export; the fix now exports that checkpoint into a block of its
+own from inside the chunk (one engine step).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from kit.geometry.geometry_model import Case, Geometry
+from kit.geometry.geometry_cases import prompts
+from kit.geometry.geometry_model import Case, Geometry, checkpoint_position, expected
 from kit.rig.sched_harness import SchedulerRig, run_case
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
@@ -90,42 +92,43 @@ def test_mid_block_resume_on_the_flashinfer_grid_is_not_only_the_stop(tiny_model
     assert b.request_id not in rig.exports
 
 
-# The README's open item: 2048-token blocks, one draft token, the CPU default's
+# Cached B of the bench: 2048-token blocks, one draft token, the CPU default's
 # internal path (alignment 1), S = 2159 plus the probe. The patched tree's B
-# resumes at 2128, inside block 1, and its prompt (2207) ends in the same block.
+# resumes inside block 1 (2128; 2144 with lookahead hashes), and its prompt
+# (2207) ends in the same block.
 CACHED_B_2159 = Case(Geometry(2048, 16, 1, checkpoints="internal-1"), 2159, 1)
 
 
-def _cached_b_2159(tiny_model_dir, tree_is_patched: bool):
+def _cached_b(tiny_model_dir, case: Case):
+    rig, _, b, _ = run_case(tiny_model_dir, case, fix=True)
+    lookahead = getattr(rig.vllm_config, "num_hash_lookahead_tokens", 0)
+    assert b.hit == expected(case, True, lookahead).hit and b.resumed_from_own_prefix()
+    _, b_tokens = prompts(case)
+    return rig, b, b_tokens, checkpoint_position(len(b_tokens), case, lookahead)
+
+
+def test_cached_b_2159_in_one_pass(tiny_model_dir, tree_is_patched: bool) -> None:
+    """Patched: one chunk from the hit to 2207, exporting B's prompt checkpoint
+    (2176; 2192 with lookahead hashes) into a block of its own. The layer cannot
+    export it into the block table: its column ``cdiv(2207, 2048) - 2 = 0`` is
+    not above the initial state's column 1, so vLLM would stop there (two engine
+    steps). A later turn resumes there from exactly B's first tokens."""
     if not tree_is_patched:
         pytest.skip("unpatched B resumes at 0 and prefills in one chunk")
-    rig, _, b, _ = run_case(tiny_model_dir, CACHED_B_2159, fix=True)
-    assert b.hit == 2128 and b.resumed_from_own_prefix()
-    return rig, b
-
-
-def test_cached_b_2159_pays_the_tail_stop(tiny_model_dir, tree_is_patched: bool) -> None:
-    """Today (passes, patched tree): B runs [2128, 2176) and [2176, 2207). Its
-    checkpoint 2176 cannot be exported from 2128: the export column
-    ``cdiv(2207, 2048) - 2 = 0`` is not above the initial state's column 1, so
-    the scheduler stops at the prompt checkpoint. No block boundary lies in
-    [2128, 2207): the mid-block stop plays no part."""
-    rig, b = _cached_b_2159(tiny_model_dir, tree_is_patched)
-    assert rig.chunk_ends[b.request_id] == [2176, 2207]
-    assert b.request_id not in rig.exports
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "is_mamba_prefill_checkpoint_valid requires the export column "
-        "cdiv(end, B) - 2 above the initial state's column; a chunk inside one "
-        "block has no such column, so the scheduler stops at the prompt "
-        "checkpoint (a second engine step)"
-    ),
-)
-def test_cached_b_2159_in_one_pass(tiny_model_dir, tree_is_patched: bool) -> None:
-    """The zero-step form: one chunk exporting 2176 into a block of its own."""
-    rig, b = _cached_b_2159(tiny_model_dir, tree_is_patched)
+    rig, b, b_tokens, tail = _cached_b(tiny_model_dir, CACHED_B_2159)
+    assert b.hit < tail < 2207
     assert rig.chunk_ends[b.request_id] == [2207]
-    assert rig.exports[b.request_id] == [2176]
+    assert rig.exports[b.request_id] == [tail]
+    c = rig.run(b_tokens + list(range(5000, 5040)))
+    assert c.hit == tail and c.resumed_from_own_prefix()
+
+
+def test_cached_b_2159_on_the_split_path_stops_at_the_checkpoint(
+    tiny_model_dir, tree_is_patched: bool
+) -> None:
+    """Without internal checkpoints the prompt checkpoint stays a chunk end."""
+    if not tree_is_patched:
+        pytest.skip("unpatched B resumes at 0 and prefills in one chunk")
+    case = Case(Geometry(2048, 16, 1, checkpoints="split"), 2159, 1)
+    rig, b, _, tail = _cached_b(tiny_model_dir, case)
+    assert rig.chunk_ends[b.request_id] == [tail, 2207]
