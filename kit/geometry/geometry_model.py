@@ -447,6 +447,10 @@ def producer_prefill(
         if end - start > case.budget:
             # Align mode cuts a chunk the budget cannot finish at a block boundary.
             end = (start + case.budget) // b * b
+        if cp.tail in extra and start < cp.tail < end < n:
+            # The prompt checkpoint is exported only from the prompt's final
+            # chunk: another stop ends this one first, so it is a stop again.
+            end = cp.tail
         position = checkpoint_position(end, case, lookahead)
         if _exportable(case, start, end, position) and (position == cp.tail or position % b == 0):
             # The manager keys the export (the column below the chunk end's) and,

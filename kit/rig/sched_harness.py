@@ -127,6 +127,7 @@ def build_vllm_config(
     fix: bool = False,
     lookahead_hashes: bool = True,
     retention: int | None = DENSE,
+    max_num_seqs: int = 16,
 ) -> VllmConfig:
     mc = model_config(str(model_dir))
     spec = None
@@ -149,7 +150,7 @@ def build_vllm_config(
     return VllmConfig(
         model_config=mc,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=geo.budget,
             max_model_len=MAX_MODEL_LEN,
             enable_chunked_prefill=True,
@@ -381,19 +382,23 @@ class SchedulerRig:
         lookahead_hashes: bool = True,
         mamba_spec: MambaSpec | None = None,
         retention: int | None = DENSE,
+        max_num_seqs: int = 16,
     ) -> None:
         """``fix`` turns on fix-eagle-fine-prefix's switch (only the patched tree has it);
         ``lookahead_hashes=False``: releases after 0.32.0 with their legacy hashing;
         ``mamba_spec``: a real layer's spec for the Mamba group (e.g. Mamba2's,
         ``kit.rig.nemotron_h``) instead of the one the geometry's regime declares;
         ``retention``: ``prefix_cache_retention_interval`` in both the CacheConfig and
-        the KVCacheConfig (None, the default: dense; 0: ``vllm serve``'s default)."""
+        the KVCacheConfig (None, the default: dense; 0: ``vllm serve``'s default);
+        ``max_num_seqs``: the most requests one step schedules."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         init_none_hash(sha256)
         check_retention(retention, geo)
         self.geo = geo
         self.retention = retention
-        self.vllm_config = build_vllm_config(model_dir, geo, fix, lookahead_hashes, retention)
+        self.vllm_config = build_vllm_config(
+            model_dir, geo, fix, lookahead_hashes, retention, max_num_seqs
+        )
         self.kv_cache_config = kv_cache_config(geo, num_blocks, retention)
         if mamba_spec is not None:
             if mamba_spec.block_size != geo.block:

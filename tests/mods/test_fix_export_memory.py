@@ -185,8 +185,9 @@ def test_tails_left_out_are_counted_and_not_reported(on_tree: dict) -> None:
     assert r["dropped"] == 2 * NUM_ROWS - r["num_tails"]
     assert len(r["kept"]) == r["num_tails"]
     assert r["export_rows"] == r["num_prompt_checkpoints"] + len(r["kept"])
-    # In row order: the first rows keep both, the later ones none.
-    assert r["kept"][:2] == [[0, 100], [0, 380]]
+    # Each row's highest tail first (its prompt checkpoint where it has one), in
+    # row order: the first rows keep 380, the later ones nothing.
+    assert r["kept"][:2] == [[0, 380], [1, 380]]
 
 
 def test_exports_on_a_full_workspace_allocate_nothing_new(on_tree: dict) -> None:

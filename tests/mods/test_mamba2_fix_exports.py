@@ -679,7 +679,9 @@ def test_nemotron_h_keeps_the_fix_states_at_no_step_on_the_real_spec(tmp_path: P
     Nemotron-H grid cases (blocks 64 and 384, k = 0 and 1, lookahead hashes), and
     every chunk end and hit is the geometry model's for a layer that writes the
     fix's states in the pass; for those cases the model gives the patched tree
-    the unpatched tree's chunk ends, so the fix adds no engine step."""
+    the unpatched tree's chunk ends or fewer (a prompt checkpoint the layer
+    cannot put in the block table is exported, not a chunk end), so the fix adds
+    no engine step."""
     from kit.geometry.geometry_cases import all_cases
     from kit.geometry.geometry_model import producer_chunk_ends
     from tests.regression.test_nemotron_h import run_nemotron_h
@@ -691,4 +693,5 @@ def test_nemotron_h_keeps_the_fix_states_at_no_step_on_the_real_spec(tmp_path: P
         if case.block in (64, 384) and case.num_spec in (0, 1):
             for lookahead in (0, 1):
                 plain = producer_chunk_ends(case, False, lookahead)
-                assert producer_chunk_ends(case, True, lookahead) == plain, case
+                fixed = producer_chunk_ends(case, True, lookahead)
+                assert set(fixed) <= set(plain) and fixed[-1] == plain[-1], case

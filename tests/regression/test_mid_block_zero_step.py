@@ -18,11 +18,21 @@ own from inside the chunk (one engine step).
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
-from kit.geometry.geometry_cases import prompts
-from kit.geometry.geometry_model import Case, Geometry, checkpoint_position, expected
+import pytest
+from vllm.config import SpeculativeConfig
+
+from kit.geometry.geometry_cases import PROBE_TOKEN, prompts
+from kit.geometry.geometry_model import (
+    Case,
+    Geometry,
+    checkpoint_position,
+    expected,
+    resumed_chunk_ends,
+)
 from kit.rig.sched_harness import SchedulerRig, run_case
+from kit.rig.stress import Arrival
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
@@ -132,3 +142,77 @@ def test_cached_b_2159_on_the_split_path_stops_at_the_checkpoint(
     case = Case(Geometry(2048, 16, 1, checkpoints="split"), 2159, 1)
     rig, b, _, tail = _cached_b(tiny_model_dir, case)
     assert rig.chunk_ends[b.request_id] == [tail, 2207]
+
+
+def test_a_stop_short_of_the_prompt_end_keeps_the_checkpoint_a_stop(
+    tiny_model_dir, tree_is_patched: bool
+) -> None:
+    """The prompt checkpoint is exported only from the prompt's final chunk. B
+    (4100 tokens, 0.32.0 hashing, EAGLE) resumes at 3008, inside block 1; its
+    checkpoint 4080 cannot go into the block table, but the mid-block stop ends
+    the chunk at 4096, short of the prompt's end: so 4080 is a chunk end, as
+    without the fix, and a follow-up sharing B's 4096 tokens resumes there."""
+    if not tree_is_patched:
+        pytest.skip("fix-eagle-fine-prefix's switch exists only on the patched tree")
+    geo = Geometry(2048, 16, 1, checkpoints="internal-1")
+    context = list(range(100, 4400))
+    rig = _legacy_rig(tiny_model_dir, geo)
+    rig.run(context[:3024] + [PROBE_TOKEN])
+    b = rig.run(context[:3024] + list(range(5000, 5000 + 4100 - 3024)))
+    assert b.hit == 3008 and b.resumed_from_own_prefix()
+    assert rig.chunk_ends[b.request_id] == [4080, 4096, 4100]
+    assert tuple(rig.chunk_ends[b.request_id]) == resumed_chunk_ends(geo, 4100, 3008, True)
+    c = rig.run(list(b.prompt[:4096]) + list(range(6000, 6040)))
+    assert c.hit == 4080 and c.resumed_from_own_prefix()
+
+
+def _legacy_rig(tiny_model_dir, geo: Geometry, max_num_seqs: int = 16) -> SchedulerRig:
+    """A patched rig with the 0.32.0 hashing (later releases through their switch)."""
+    switch = "disable_lookahead_block_hashes" in {
+        f.name for f in dataclasses.fields(SpeculativeConfig)
+    }
+    return SchedulerRig(
+        tiny_model_dir, geo, fix=True, lookahead_hashes=not switch, max_num_seqs=max_num_seqs
+    )
+
+
+def test_a_step_exports_at_most_its_budget_of_prompt_checkpoints(
+    tiny_model_dir, tree_is_patched: bool
+) -> None:
+    """Where the fix's exports are published only once written (0.34.0), FlashInfer
+    GDN runs a bounded number of exports off its grid per batch: the scheduler
+    exports at most ``MAMBA_MAX_PROMPT_CHECKPOINT_EXPORTS`` prompt checkpoints a
+    step and ends the chunk at the others, as without the fix. One more cold
+    prompt than that (420 tokens, checkpoint 400 off the 64-token grid) in one
+    step: that many exported, one a chunk end, every state right."""
+    from vllm.v1 import kv_cache_interface
+
+    budget = getattr(kv_cache_interface, "MAMBA_MAX_PROMPT_CHECKPOINT_EXPORTS", None)
+    if not tree_is_patched or budget is None:
+        pytest.skip("this tree's fix exports prompt checkpoints without a step budget")
+    geo = Geometry(384, 16, 1, checkpoints="internal-grid")
+    rig = _legacy_rig(tiny_model_dir, geo, max_num_seqs=budget + 1)
+    prompts = [tuple(range(10_000 * (i + 1), 10_000 * (i + 1) + 420)) for i in range(budget + 1)]
+    assert rig.drive([Arrival(0, p, 1) for p in prompts]) == []
+    exported = [rid for rid, positions in rig.fix_exports.items() if 400 in positions]
+    assert len(rig.fix_exports) == budget + 1 and len(exported) == budget
+
+
+def test_the_tail_cap_keeps_each_rows_prompt_checkpoint_first() -> None:
+    """FlashInfer GDN's builder keeps each row's highest export off the grid (its
+    prompt checkpoint where it has one) before the rest, in row order."""
+    try:
+        from vllm.v1.attention.backends.gdn_attn import (
+            FLASHINFER_GDN_MAX_TAILS,
+            cap_flashinfer_tails,
+        )
+        from vllm.v1.kv_cache_interface import MAMBA_MAX_PROMPT_CHECKPOINT_EXPORTS
+    except ImportError:
+        pytest.skip("this tree's GDN builder runs no tails")
+    # Every prompt checkpoint one step plans fits the batch's tails.
+    assert MAMBA_MAX_PROMPT_CHECKPOINT_EXPORTS <= FLASHINFER_GDN_MAX_TAILS
+    rows = [[(16, 1), (32, 2)], [(48, 3)], [(64, 4), (80, 5)]]
+    pairs = [(0, 116), (0, 132), (1, 248), (2, 364), (2, 380)]
+    per_row, kept, dropped = cap_flashinfer_tails(rows, pairs, 64, max_tails=3)
+    assert per_row == [[(32, 2)], [(48, 3)], [(64, 4), (80, 5)]]
+    assert kept == [(0, 132), (1, 248), (2, 364), (2, 380)] and dropped == 1

@@ -184,15 +184,16 @@ def test_a_later_turn_pays_nothing_for_a_state_the_fix_leaves_out(release_table:
     """A conversation's later turn (kit/rig/later_turns.py) on every release, both
     hashings, every regime measured: the fix keeps the turn's predecessor only
     FIX_MIN_GAIN or more above the turn's hit, where a sibling then resumes;
-    closer, the turn's chunk ends are the unpatched tree's and the sibling resumes
-    where the turn did. Both kinds occur."""
+    closer, the turn takes no more chunk ends than on the unpatched tree (fewer
+    where the fix exports its prompt checkpoint) and the sibling resumes where the
+    turn did. Both kinds occur."""
     for table in (release_table, *release_table["internal"].values()):
         for hashing, rows in table["later_turns"].items():
             where = (table["vllm_version"], table["checkpoints"], hashing)
             assert [r for r in rows if r["verdict"] != "ok"] == [], where
             assert {r["kept"] for r in rows} == {True, False}, where
             left_out = [r for r in rows if not r["kept"]]
-            assert all(r["chunk_ends_u_p"][0] == r["chunk_ends_u_p"][1] for r in left_out)
+            assert all(r["chunk_ends_u_p"][0] >= r["chunk_ends_u_p"][1] for r in left_out)
             if table["checkpoints"] == "internal-1":
                 # Some turns the fix leaves a state in take the internal path (vLLM
                 # exports their checkpoint from inside the step), so the skip in
