@@ -298,11 +298,12 @@ def serve_pair(tmp_path: Path, withhold: bool) -> tuple[list, str]:
 @pytest.mark.parametrize("withhold", [False, True], ids=["reported", "withheld"])
 def test_the_fix_keys_only_what_the_worker_reports_written(tmp_path: Path, withhold: bool) -> None:
     """The fence in a real engine. Reported: B resumes one unit below the context
-    (the fix's state, exported in A's pass), every export planned is reported
-    written and keyed. Withheld (a runner that reports none written): nothing is
-    keyed, B falls back to the block boundary as unpatched does (measured: 2048),
-    and its answer is the cold one: no state is read that was not reported."""
-    from kit.bench.step_log import FENCE
+    (the fix's state, exported in A's pass) and prefills its rest in one engine
+    step, every export planned is reported written and keyed. Withheld (a runner
+    that reports none written): nothing is keyed, B falls back to the block
+    boundary as unpatched does (measured: 2048), and its answer is the cold one:
+    no state is read that was not reported."""
+    from kit.bench.step_log import FENCE, LINE
 
     (first, follow, cold), log = serve_pair(tmp_path, withhold)
     counts = [
@@ -316,4 +317,9 @@ def test_the_fix_keys_only_what_the_worker_reports_written(tmp_path: Path, withh
     else:
         assert all(c == (c[0], c[0], c[0]) for c in counts), counts
         assert follow.cached_tokens == 2144 - UNIT
+        # B's 64 uncached tokens in one engine step: its prompt checkpoint 2176,
+        # which vLLM's column rule keeps out of the block table, is exported from
+        # inside the pass, not a chunk end (48 tokens, then 16).
+        prefills = [int(m["ctx"]) for m in LINE.finditer(log) if int(m["ctx"])]
+        assert 64 in prefills and 48 not in prefills, prefills
     assert follow.token_ids == cold.token_ids
