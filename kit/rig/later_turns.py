@@ -235,7 +235,8 @@ def render(hashing: str, rows: list[dict]) -> list[str]:
         f"Later turns, {hashing}, {retention_words()} retention (kit/rig/later_turns.py): "
         "a turn keeps its predecessor "
         f"only {FIX_MIN_GAIN} or more above its hit, and a sibling resumes there; left "
-        "out, the turn's chunk ends and in-step exports are the unpatched tree's; the "
+        "out, the turn takes no chunk end or export for it (fewer chunk ends than "
+        "unpatched where the fix exports the turn's prompt checkpoint, never more); the "
         "sibling never resumes lower than unpatched.",
         "",
         tabulate(body, headers=headers, tablefmt="github"),
