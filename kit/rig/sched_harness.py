@@ -121,6 +121,14 @@ def check_retention(retention: int | None, geo: Geometry) -> None:
         )
 
 
+def tree_has_lookahead_hashes() -> bool:
+    """Whether this vLLM hashes EAGLE/MTP prompts with lookahead block hashes, which
+    ``disable_lookahead_block_hashes`` turns back into the 0.32.0 hashing."""
+    return any(
+        f.name == "disable_lookahead_block_hashes" for f in dataclasses.fields(SpeculativeConfig)
+    )
+
+
 def build_vllm_config(
     model_dir: Path,
     geo: Geometry,
@@ -134,10 +142,7 @@ def build_vllm_config(
     if geo.num_spec:
         legacy = {}
         if not lookahead_hashes:
-            if not any(
-                f.name == "disable_lookahead_block_hashes"
-                for f in dataclasses.fields(SpeculativeConfig)
-            ):
+            if not tree_has_lookahead_hashes():
                 raise ValueError("this vLLM has no lookahead block hashes to disable")
             legacy = {"disable_lookahead_block_hashes": True}
         spec = SpeculativeConfig(

@@ -18,10 +18,7 @@ own from inside the chunk (one engine step).
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-from vllm.config import SpeculativeConfig
 
 from kit.geometry.geometry_cases import PROBE_TOKEN, prompts
 from kit.geometry.geometry_model import (
@@ -31,7 +28,7 @@ from kit.geometry.geometry_model import (
     expected,
     resumed_chunk_ends,
 )
-from kit.rig.sched_harness import SchedulerRig, run_case
+from kit.rig.sched_harness import SchedulerRig, run_case, tree_has_lookahead_hashes
 from kit.rig.stress import Arrival
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
@@ -168,11 +165,12 @@ def test_a_stop_short_of_the_prompt_end_keeps_the_checkpoint_a_stop(
 
 def _legacy_rig(tiny_model_dir, geo: Geometry, max_num_seqs: int = 16) -> SchedulerRig:
     """A patched rig with the 0.32.0 hashing (later releases through their switch)."""
-    switch = "disable_lookahead_block_hashes" in {
-        f.name for f in dataclasses.fields(SpeculativeConfig)
-    }
     return SchedulerRig(
-        tiny_model_dir, geo, fix=True, lookahead_hashes=not switch, max_num_seqs=max_num_seqs
+        tiny_model_dir,
+        geo,
+        fix=True,
+        lookahead_hashes=not tree_has_lookahead_hashes(),
+        max_num_seqs=max_num_seqs,
     )
 
 
