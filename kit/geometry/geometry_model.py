@@ -310,12 +310,15 @@ def internal_checkpoint(case: Case, start: int, lookahead: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Prefill:
-    """A's prefill: chunk ends, the states its layer exports and keeps, and which of
-    the kept exports are the fix's (each in a block of its own)."""
+    """A's prefill: chunk ends, the states its layer exports and keeps, which of
+    the kept exports are the fix's (each in a block of its own), and which of
+    those are block boundaries above a mid-block start (``mid_block_export``:
+    kept only where retention keeps the boundary)."""
 
     ends: tuple[int, ...]
     kept_exports: tuple[int, ...] = ()
     fix_exports: tuple[int, ...] = ()
+    boundary_exports: tuple[int, ...] = ()
 
 
 def fix_exports(
@@ -353,6 +356,30 @@ def fix_exports(
     ):
         own.add(cp.tail)
     return tuple(sorted(p for p in own if start < p < end and p - start >= case.unit))
+
+
+def mid_block_export(case: Case, start: int) -> int:
+    """The block boundary a patched prompt chunk that starts inside a block exports
+    instead of ending there (vLLM's ``get_mamba_mid_block_boundary``), or 0.
+
+    Where the fix's states are exports (``fix_exports``, under EAGLE/MTP), a chunk
+    from ``start`` runs past the boundary: the layer writes the boundary state into
+    a block of its own, and the key the full-block pass would give the column
+    below the boundary (which holds the chunk's initial state) moves to it, so it
+    is kept where retention keeps that boundary. Never left out near a hit.
+    """
+    geo, n = case.geometry, case.producer_len
+    boundary = (start // case.block + 1) * case.block
+    if (
+        case.eagle
+        and geo.checkpoint_alignment is not None
+        and geo.layer_extra_exports
+        and start % case.block
+        and boundary < n
+        and boundary - start >= case.unit
+    ):
+        return boundary
+    return 0
 
 
 def resumed_fix_skips(case: Case, cp: Checkpoints, resume: int) -> set[int]:
@@ -403,11 +430,13 @@ def producer_prefill(
     ends: list[int] = []
     kept: list[int] = []
     fix_kept: list[int] = []
+    boundaries: list[int] = []
     start = resume
     while start < n:
         exported = internal_checkpoint(case, start, lookahead) if n - start <= case.budget else 0
         extra = fix_exports(case, cp, start, n, lookahead) if patched else ()
-        extra = tuple(p for p in extra if p not in skips)
+        boundary = mid_block_export(case, start) if patched else 0
+        extra = tuple(p for p in extra if p not in skips and p != boundary)
         if (
             exported
             and patched
@@ -420,26 +449,37 @@ def producer_prefill(
             # keeps that the layer cannot export (a layer that writes one state
             # per row), so the split path materialises them all.
             exported = 0
-        # A resume inside a block still ends its chunk on the next boundary, and
-        # a junction above it is a chunk end too, with or without the export.
-        cuts = [c for c in ((start // b + 1) * b if start % b else 0, junction) if start < c < n]
+        # A resume inside a block still ends its chunk on the next boundary
+        # unless it exports it, and a junction above it is a chunk end too, with
+        # or without the export.
+        mid_block_stop = (start // b + 1) * b if start % b and not boundary else 0
+        cuts = [c for c in (mid_block_stop, junction) if start < c < n]
         if exported and cuts:
             end = min(cuts)
-            kept += [p for p in extra if p < end]
-            fix_kept += [p for p in extra if p < end]
+            passed = [boundary] if start < boundary < end else []
+            kept += [p for p in extra if p < end] + passed
+            fix_kept += sorted([p for p in extra if p < end] + passed)
+            boundaries += passed
             ends.append(end)
             start = end
             continue
         if exported:
             # The final chunk exports the prompt checkpoint, and the fix's states.
+            passed = [boundary] if boundary else []
             return Prefill(
                 (*ends, n),
-                (*kept, exported, *extra),
-                (*fix_kept, *extra),
+                (*kept, exported, *extra, *passed),
+                (*fix_kept, *sorted((*extra, *passed))),
+                (*boundaries, *passed),
             )
-        # An export is no stop, but the last block boundary stays one on this path.
-        inside = [s for s in stops if start < s < n and (s not in extra or s == cp.last_block)]
-        if start % b:
+        # An export is no stop, but the last block boundary stays one on this path
+        # unless it is the boundary above a mid-block start, which is exported.
+        inside = [
+            s
+            for s in stops
+            if start < s < n and s != boundary and (s not in extra or s == cp.last_block)
+        ]
+        if start % b and not boundary:
             next_boundary = (start // b + 1) * b
             if next_boundary < n:
                 inside.append(next_boundary)
@@ -459,11 +499,13 @@ def producer_prefill(
             # publishes only the kept export, or neither).
             kept.append(position)
         # The fix's states inside this chunk are exported, not stopped at.
-        kept += [p for p in extra if p < end]
-        fix_kept += [p for p in extra if p < end]
+        passed = [boundary] if start < boundary < end else []
+        kept += [p for p in extra if p < end] + passed
+        fix_kept += sorted([p for p in extra if p < end] + passed)
+        boundaries += passed
         ends.append(end)
         start = end
-    return Prefill(tuple(ends), tuple(kept), tuple(fix_kept))
+    return Prefill(tuple(ends), tuple(kept), tuple(fix_kept), tuple(boundaries))
 
 
 def fa_partials(case: Case, patched: bool, lookahead: int = 0) -> tuple[int, ...]:
@@ -568,7 +610,7 @@ def _producer_states(
         # (``_cache_partial_tail_block``: a chunk end there, or an export), block
         # boundary or not; other block-aligned states only where the mask keeps them.
         eagle_drop = case.eagle and not lookahead
-        own = {cp.tail, *cp.extra(), *prefill.fix_exports}
+        own = {cp.tail, *cp.extra(), *set(prefill.fix_exports) - set(prefill.boundary_exports)}
         states = {
             p
             for p in states

@@ -154,15 +154,17 @@ def _problems(base: dict, row: dict, kept: bool) -> list[str]:
         return problems
     # Left out: the turn and its sibling as without the fix, but for the turn's
     # own prompt checkpoint (one unit above the predecessor), which the fix exports
-    # where the layer cannot put it in the block table: no chunk end there (nor
-    # the mid-block stop that followed it), so fewer chunk ends, never more.
+    # where the layer cannot put it in the block table, and the block boundary
+    # above a mid-block resume, which it exports instead of the mid-block stop: no
+    # chunk end there, so fewer chunk ends, never more.
     tail = row["predecessor"] + UNIT
-    tail_exported = [tail] if tail in row["turn_fix_exports"] else []
+    instead = {tail} | {e for e in base["turn_chunk_ends"] if e % row["block"] == 0}
+    exported_instead = set(row["turn_fix_exports"]) & instead
     added = set(row["turn_chunk_ends"]) - set(base["turn_chunk_ends"])
     if len(row["turn_chunk_ends"]) > len(base["turn_chunk_ends"]) or (row["predecessor"] in added):
         problems.append("a left-out state cost the turn a chunk end")
-    if [e for e in row["turn_exports"] if e not in tail_exported] != base["turn_exports"] or (
-        set(row["turn_fix_exports"]) - {tail}
+    if [e for e in row["turn_exports"] if e not in exported_instead] != base["turn_exports"] or (
+        set(row["turn_fix_exports"]) - instead
     ):
         problems.append("a left-out state changed the turn's exports")
     # The fix's full-attention entry stays (a hash): where a block boundary holds

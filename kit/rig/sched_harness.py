@@ -31,6 +31,7 @@ from vllm.v1.core.kv_cache_utils import (
     eagle_proof_margin,
     get_request_block_hasher,
     init_none_hash,
+    make_block_hash_with_group_id,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -678,6 +679,20 @@ class SchedulerRig:
         group, block boundaries included (where the fix exports a boundary's state
         into a block of its own, it is keyed so: ``partial_entries_of`` leaves it out)."""
         return sorted({n for rid, g, n in self.partial_entries if rid == request_id and g == group})
+
+    def mamba_states_keyed_at(self, tokens: list[int], position: int) -> list[tuple[int, ...]]:
+        """What every Mamba block keyed at ``position`` of ``tokens`` holds, as the
+        ledger's token prefix: exactly ``[tokens[:position]]`` when the key is right
+        and held once (no stale block under the same key)."""
+        key = make_block_hash_with_group_id(
+            self.make_request(tokens).block_hashes[position // self.geo.unit - 1], 1
+        )
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return [
+            self.ledger.prefix_of_block.get(block.block_id, ())
+            for block in pool.blocks
+            if pool.cached_block_hash_to_block.contain(key, block.block_id)
+        ]
 
     def partial_entries_of(self, request_id: str, group: int) -> list[int]:
         """Distinct sub-block positions a request registered in a group."""

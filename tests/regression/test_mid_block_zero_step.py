@@ -2,18 +2,21 @@
 
 ``fix-mamba-mid-block-resume-stop`` (both trees) ends a chunk that starts inside
 a Mamba block at the next block boundary, also when the layer could export the
-prompt checkpoint in one pass; the zero-step form would instead export the
-boundary state into its own column (the resume column) in the same pass.
-``docs/mid-block-zero-step.md`` has the design and where it is possible. These
-tests pin today's chunk counts (passing) and the zero-step counts (strict
-xfail): when a layer and the scheduler learn the in-pass boundary export, the
-xfails start passing and must be turned around.
+prompt checkpoint in one pass. ``docs/mid-block-zero-step.md`` has the design of
+the zero-step forms. Both are built in the fix (patched tree, EAGLE/MTP, a
+layer that exports several states per row):
 
-A second, different extra step is gone on the patched tree: the bench's cached
-B (S = 2159, block 2048), whose chunk never reaches a block boundary, stopped at
-its prompt checkpoint because ``is_mamba_prefill_checkpoint_valid``'s column
-rule refuses the export; the fix now exports that checkpoint into a block of its
-own from inside the chunk (one engine step).
+- case A: a chunk that starts inside a block and runs past its boundary
+  exports the boundary state into a block of its own, and the key the
+  full-block pass gives the column below the boundary (which holds the chunk's
+  initial state) moves to that export;
+- case B: the bench's cached B (S = 2159, block 2048), whose chunk never
+  reaches a block boundary, exports its prompt checkpoint, which
+  ``is_mamba_prefill_checkpoint_valid``'s column rule refuses, into a block of
+  its own.
+
+Without speculation the fix is off, so a stock layer keeps the stop (strict
+xfail).
 """
 
 from __future__ import annotations
@@ -66,18 +69,15 @@ def test_mid_block_resume_pays_a_chunk_end_at_the_boundary(tiny_model_dir) -> No
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "Scheduler._mamba_block_aligned_split (with fix-mamba-mid-block-resume-stop) "
-        "ends a chunk that starts mid-block at the next boundary: no layer exports "
-        "the boundary state into the resume column in the same pass (one "
-        "checkpoint per row: compute_mamba_prefill_checkpoints, Mamba2's "
-        "checkpoint_chunk_idx, FlashInfer GDN's plan rows), so B pays a chunk end"
+        "without EAGLE/MTP the fix is off: Scheduler._mamba_block_aligned_split "
+        "(with fix-mamba-mid-block-resume-stop) ends a chunk that starts mid-block "
+        "at the next boundary, and stock layers write one checkpoint per row "
+        "(compute_mamba_prefill_checkpoints), so B pays a chunk end"
     ),
 )
 def test_mid_block_resume_in_one_pass(tiny_model_dir) -> None:
-    """The zero-step form: one chunk [416, 1200) exporting 768 into the resume
-    column 1 (B's private copy-on-write block, already copied into the running
-    column 3 before the pass) and 1184 into column 2, and C still resumes at 768
-    from its own prefix."""
+    """The zero-step form without speculation: one chunk [416, 1200) exporting
+    768 and 1184, and C still resumes at 768 from its own prefix."""
     rig, b, c = _mid_block_run(tiny_model_dir)
     assert rig.chunk_ends[b.request_id] == [1200]
     assert sorted(rig.exports[b.request_id]) == [768, 1184]
@@ -141,26 +141,51 @@ def test_cached_b_2159_on_the_split_path_stops_at_the_checkpoint(
     assert rig.chunk_ends[b.request_id] == [tail, 2207]
 
 
-def test_a_stop_short_of_the_prompt_end_keeps_the_checkpoint_a_stop(
+def test_a_mid_block_resume_exports_the_boundary_it_runs_past(
     tiny_model_dir, tree_is_patched: bool
 ) -> None:
-    """The prompt checkpoint is exported only from the prompt's final chunk. B
-    (4100 tokens, 0.32.0 hashing, EAGLE) resumes at 3008, inside block 1; its
-    checkpoint 4080 cannot go into the block table, but the mid-block stop ends
-    the chunk at 4096, short of the prompt's end: so 4080 is a chunk end, as
-    without the fix, and a follow-up sharing B's 4096 tokens resumes there."""
+    """Case A. B (4200 tokens, 0.32.0 hashing, EAGLE) resumes at 3008, inside
+    block 1, and runs past 4096: one chunk, exporting the boundary 4096 besides
+    its prompt checkpoint 4176 and the fix's 4080 and 4160. The full-block pass
+    keys block 1's column at 4096, but that column holds B's initial state (3008
+    tokens): the key moves to the export, and only the export holds it. Under
+    this hashing no follow-up resumes at 4096 (EAGLE drops the unit below an
+    attention match at 4096); one sharing 4100 tokens resumes at 4080."""
     if not tree_is_patched:
         pytest.skip("fix-eagle-fine-prefix's switch exists only on the patched tree")
     geo = Geometry(2048, 16, 1, checkpoints="internal-1")
     context = list(range(100, 4400))
     rig = _legacy_rig(tiny_model_dir, geo)
     rig.run(context[:3024] + [PROBE_TOKEN])
-    b = rig.run(context[:3024] + list(range(5000, 5000 + 4100 - 3024)))
+    b = rig.run(context[:3024] + list(range(5000, 5000 + 4200 - 3024)))
     assert b.hit == 3008 and b.resumed_from_own_prefix()
-    assert rig.chunk_ends[b.request_id] == [4080, 4096, 4100]
-    assert tuple(rig.chunk_ends[b.request_id]) == resumed_chunk_ends(geo, 4100, 3008, True)
-    c = rig.run(list(b.prompt[:4096]) + list(range(6000, 6040)))
+    assert rig.chunk_ends[b.request_id] == [4200]
+    assert tuple(rig.chunk_ends[b.request_id]) == resumed_chunk_ends(geo, 4200, 3008, True)
+    assert sorted(rig.exports[b.request_id]) == [4080, 4096, 4160, 4176]
+    assert rig.mamba_states_keyed_at(list(b.prompt), 4096) == [tuple(b.prompt[:4096])]
+    c = rig.run(list(b.prompt[:4100]) + list(range(6000, 6040)))
     assert c.hit == 4080 and c.resumed_from_own_prefix()
+
+
+def test_a_mid_block_resume_at_the_boundary_reads_its_own_state(
+    tiny_model_dir, tree_is_patched: bool
+) -> None:
+    """Case A with lookahead hashes (0.33.0 on): B (4200 tokens, MTP k = 1)
+    resumes inside block 1 and runs past 4096 in one chunk; a follow-up sharing
+    4112 of B's tokens resumes at 4096 from exactly B's first 4096 tokens."""
+    if not tree_is_patched or not tree_has_lookahead_hashes():
+        pytest.skip("this tree hashes without lookahead tokens")
+    geo = Geometry(2048, 16, 1, checkpoints="internal-1")
+    context = list(range(100, 4400))
+    rig = SchedulerRig(tiny_model_dir, geo, fix=True)
+    rig.run(context[:3024] + [PROBE_TOKEN])
+    b = rig.run(context[:3024] + list(range(5000, 5000 + 4200 - 3024)))
+    assert b.hit % geo.block and b.resumed_from_own_prefix()
+    assert rig.chunk_ends[b.request_id] == [4200]
+    assert 4096 in rig.exports[b.request_id]
+    assert rig.mamba_states_keyed_at(list(b.prompt), 4096) == [tuple(b.prompt[:4096])]
+    c = rig.run(list(b.prompt[:4112]) + list(range(6000, 6040)))
+    assert c.hit == 4096 and c.resumed_from_own_prefix()
 
 
 def _legacy_rig(tiny_model_dir, geo: Geometry, max_num_seqs: int = 16) -> SchedulerRig:
