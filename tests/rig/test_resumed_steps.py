@@ -3,9 +3,9 @@ the layer exports, read from every committed regression table (``make regress``)
 
 On the patched tree's internal regimes the fix exports the prompt checkpoint that
 vLLM's column rule keeps out of the block table (docs/mid-block-zero-step.md,
-case B), so a speculative case's B whose rest stays in the block it resumed in
-takes one step, on every release, hashing and retention the tables hold. One
-whose rest crosses a block boundary still takes two (the mid-block stop, case A).
+case B) and the block boundary a resume inside a block runs past (case A, in place
+of the mid-block stop), so every speculative case's B that resumes inside a block
+takes one step, on every release, hashing and retention the tables hold.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_every_release_has_internal_tables() -> None:
 
 
 @pytest.mark.parametrize("path", TABLES, ids=lambda p: str(p.parent.relative_to(RESULTS)))
-def test_a_resume_inside_one_block_is_one_step_patched(path: Path) -> None:
+def test_a_resume_inside_a_block_is_one_step_patched(path: Path) -> None:
     table = json.loads(path.read_text())
     if not EXTRA_EXPORTS & set(table["mods"]["patched"]):
         pytest.skip(f"vLLM {table['vllm_version']}'s layers export one state per row")
@@ -40,6 +40,5 @@ def test_a_resume_inside_one_block_is_one_step_patched(path: Path) -> None:
     patched = {col: counts for col, counts in steps.items() if col.startswith("patched/")}
     assert patched, steps
     for col, counts in patched.items():
-        assert counts["more_within_block"] == 0 and counts["one_step"] > 0, (col, counts)
-        # The mid-block stop's cases are left: case A is not built.
-        assert counts["more_across_boundary"] > 0, (col, counts)
+        assert counts["one_step"] > 0, (col, counts)
+        assert counts["more_within_block"] == counts["more_across_boundary"] == 0, (col, counts)
