@@ -239,3 +239,21 @@ def test_the_tail_cap_keeps_each_rows_prompt_checkpoint_first() -> None:
     per_row, kept, dropped = cap_flashinfer_tails(rows, pairs, 64, max_tails=3)
     assert per_row == [[(32, 2)], [(48, 3)], [(64, 4), (80, 5)]]
     assert kept == [(0, 132), (1, 248), (2, 364), (2, 380)] and dropped == 1
+
+
+def test_the_tail_cap_keeps_a_mid_block_boundary_first() -> None:
+    """The block boundary above a chunk that starts inside a block (vLLM's own
+    state, exported instead of the mid-block stop) goes before every other tail.
+    Row 0 starts at 100 (block 128) and exports 128 and 160; row 1 starts at 200
+    and exports 220 and 240: with room for two, row 0 keeps both."""
+    try:
+        from vllm.v1.attention.backends.gdn_attn import cap_flashinfer_tails
+    except ImportError:
+        pytest.skip("this tree's GDN builder runs no tails")
+    rows = [[(28, 1), (60, 2)], [(20, 3), (40, 4)]]
+    pairs = [(0, 128), (0, 160), (1, 220), (1, 240)]
+    per_row, kept, dropped = cap_flashinfer_tails(rows, pairs, 64, max_tails=2, block_size=128)
+    assert per_row == [[(28, 1), (60, 2)], []] and kept == pairs[:2] and dropped == 2
+    # Without the block size each row's highest goes first, as before.
+    per_row, _, _ = cap_flashinfer_tails(rows, pairs, 64, max_tails=2)
+    assert per_row == [[(60, 2)], [(40, 4)]]
