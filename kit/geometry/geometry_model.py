@@ -344,7 +344,7 @@ def fix_exports(
     there the scheduler would stop at it, a second engine step for a resumed
     follow-up. Elsewhere the layer exports it or the scheduler stops at it.
     """
-    if case.geometry.checkpoint_alignment is None or not case.geometry.layer_extra_exports:
+    if not _takes_fix_exports(case.geometry):
         return ()
     n = case.producer_len
     own = {p for p in cp.exportable() if p != cp.tail}
@@ -358,6 +358,11 @@ def fix_exports(
     return tuple(sorted(p for p in own if start < p < end and p - start >= case.unit))
 
 
+def _takes_fix_exports(geo: Geometry) -> bool:
+    """Whether the layer writes states inside a pass and more than one per row."""
+    return geo.checkpoint_alignment is not None and geo.layer_extra_exports
+
+
 def mid_block_export(case: Case, start: int) -> int:
     """The block boundary a patched prompt chunk that starts inside a block exports
     instead of ending there (vLLM's ``get_mamba_mid_block_boundary``), or 0.
@@ -368,14 +373,12 @@ def mid_block_export(case: Case, start: int) -> int:
     below the boundary (which holds the chunk's initial state) moves to it, so it
     is kept where retention keeps that boundary. Never left out near a hit.
     """
-    geo, n = case.geometry, case.producer_len
     boundary = (start // case.block + 1) * case.block
     if (
         case.eagle
-        and geo.checkpoint_alignment is not None
-        and geo.layer_extra_exports
+        and _takes_fix_exports(case.geometry)
         and start % case.block
-        and boundary < n
+        and boundary < case.producer_len
         and boundary - start >= case.unit
     ):
         return boundary

@@ -7,8 +7,9 @@ that starts inside a block and runs past its boundary exports the boundary and
 takes over the key of the column below it (case A, also read back by a
 follow-up resuming there), a step exports at most
 ``MAMBA_MAX_PROMPT_CHECKPOINT_EXPORTS`` prompt checkpoints, and FlashInfer
-GDN's tail cap keeps each row's prompt checkpoint first. On the pinned tree the
-last two and the lookahead read-back skip.
+GDN's tail cap keeps a mid-block boundary, then each row's prompt checkpoint,
+first. On the pinned tree the step budget, the two tail-cap tests and the
+lookahead read-back skip (no budget, no tails, legacy hashes only).
 """
 
 from __future__ import annotations
