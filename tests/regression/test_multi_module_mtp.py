@@ -227,3 +227,44 @@ def test_prompt_checkpoint_hangs_under_the_boundary_only_rule(
     rig = SchedulerRig(tiny_multi_mtp_dir, Geometry(64, 16, 3))
     with pytest.raises(RuntimeError, match="did not finish"):
         rig.run(_prompt(145))
+
+
+def _chunk_ends_or_none(model_dir, length: int) -> list[int] | None:
+    """The prompt's chunk ends on a fresh rig, None where its prefill never ends."""
+    rig = SchedulerRig(model_dir, Geometry(64, 16, 3))
+    try:
+        record = rig.run(_prompt(length))
+    except RuntimeError:
+        return None
+    return rig.chunk_ends[record.request_id]
+
+
+@pytest.mark.parametrize(
+    ("server_default", "period"),
+    [(True, 64), (False, 16)],
+    ids=["server-default", "disable_eagle_block_drop"],
+)
+def test_the_kept_chunk_changes_only_prompts_that_hung(
+    tiny_multi_mtp_dir, monkeypatch, server_default: bool, period: int
+) -> None:
+    """What the trailing MTP modules see changes only where vLLM never finished.
+
+    The mod relaxes the rule that keeps k known prompt tokens after a chunk for
+    the trailing modules. Over 80 prompt lengths on the real scheduler, with and
+    without the mod: wherever the unmodified rule finishes, the chunks are the same;
+    a chunk ends fewer than k tokens before the end exactly where it hung, 1 or 2
+    tokens past a block boundary at the server's settings (every 64) and past a
+    hash boundary without the EAGLE block drop (every 16)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if not server_default:
+        _without_block_drop(monkeypatch)
+    kept = {n: _chunk_ends_or_none(tiny_multi_mtp_dir, n) for n in range(120, 200)}
+    monkeypatch.setattr(Scheduler, "_reserve_prefill_lookahead", _unmodified)
+    shifted = {n: _chunk_ends_or_none(tiny_multi_mtp_dir, n) for n in kept}
+
+    assert all(ends is not None for ends in kept.values())
+    short = {n for n, ends in kept.items() if len(ends) > 1 and n - ends[-2] < 3}
+    hung = {n for n, ends in shifted.items() if ends is None}
+    assert short == hung == {n for n in kept if n % period in (1, 2)}
+    assert all(kept[n] == ends for n, ends in shifted.items() if ends is not None)
