@@ -40,8 +40,9 @@ same inputs and compares.
     the CPU export of mod ``cpu-gdn-prefill-checkpoint`` where the tree has it.
     These, and ``gdn``, also run on vLLM 0.34.0's kernel files (LATER_RELEASES),
     under ``releases`` in the result; ``gdn`` also on that release's patched tree
-    (PATCHED_FLA: FLA as fix-eagle-fine-prefix-exports changes it), where keeping
-    ``h`` in float32 must leave the output and final states bit for bit.
+    (PATCHED_FLA: FLA as fix-eagle-fine-prefix-exports changes it), where storing
+    every chunk's float32 state must leave ``h``, the output and the final states
+    bit for bit.
 
 ``--perturb`` breaks the CPU side on purpose (``align-bias``: the accepted-token
 bias off by one in the mod's post-copy decision; ``gdn-position``: each chunk
@@ -91,8 +92,8 @@ KINDS = ("postprocess", "precopy", "batch_memcpy", "gdn", "gdn_export", "ssd_exp
 # newest in pins.toml.
 LATER_RELEASES = (known_releases.newest(),)
 LATER_KINDS = ("gdn", "gdn_export", "ssd_export")
-# The newest release's FLA files as fix-eagle-fine-prefix-exports changes them (h
-# kept in float32 for the Triton GDN path's in-pass exports), from its patched
+# The newest release's FLA files as fix-eagle-fine-prefix-exports changes them (the
+# chunk kernel stores the Triton GDN path's in-pass exports in float32), from its patched
 # tree: the ``gdn`` cases, plus that path's own bit-for-bit checks.
 PATCHED_FLA = (known_releases.newest(), "patched")
 PATCHED_KINDS = ("gdn",)
@@ -1167,10 +1168,11 @@ def _case_line(case: dict[str, Any]) -> str:
             )
             if "mid_states" in exp:
                 detail += f", inside chunks rel {exp['mid_states']['max_rel']:.2e}"
-        if "wide_h" in case:
-            wide = case["wide_h"]
-            same = wide["output_bitwise"] and wide["final_bitwise"] and wide["h_rounds_to_stock"]
-            detail += f"; float32 h: {'output, final and h as stock' if same else 'DIFFERS'}"
+        if "stored_states" in case:
+            stored = case["stored_states"]
+            same = all(stored.values())
+            shown = "output, final and h as stock" if same else "DIFFERS"
+            detail += f"; stored float32 states: {shown}"
     elif case["kind"] in ("gdn_export", "ssd_export"):
         pos = case["positions"]
         refused = sum(len(r) for r in pos["refused"])

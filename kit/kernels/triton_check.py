@@ -655,12 +655,13 @@ def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[
     """FLA's forward, keeping h (the state at the start of every 64-token chunk)."""
     o, final, h, q, k, v, g, beta = _gdn_forward(chunk, case, device)
     result = {"final_vk": final.float().cpu(), "h_vk": h[0].float().cpu(), "o": o[0].float().cpu()}
-    wide = getattr(chunk, "chunk_gated_delta_rule_with_chunk_states", None)
-    if wide is not None:
-        # Files with fix-eagle-fine-prefix-exports: the same forward keeping h in
-        # float32 (the in-pass exports' source) must leave the output and final
-        # states bit for bit, and h must round to the half-precision one.
-        wide_o, wide_final, wide_h = wide(
+    store = getattr(chunk, "chunk_gated_delta_rule_with_chunk_states", None)
+    if store is not None:
+        # Files with fix-eagle-fine-prefix-exports: the same forward also storing
+        # every chunk's float32 state (the in-pass exports' source) must leave the
+        # output and final states bit for bit, and each state must round to h.
+        states = torch.empty(h.shape[1], *h.shape[2:], dtype=torch.float32, device=device)
+        stored_o, stored_final = store(
             q=q,
             k=k,
             v=v,
@@ -668,13 +669,13 @@ def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[
             beta=beta,
             initial_state=case["initial_state_vk"].to(device).contiguous(),
             cu_seqlens=case["cu_seqlens"].to(device),
-            chunk_state_dtype=torch.float32,
+            chunk_states=states,
+            chunk_state_sources=torch.arange(h.shape[1], device=device),
         )
-        result["wide_h"] = {
-            "output_bitwise": bool(torch.equal(wide_o, o)),
-            "final_bitwise": bool(torch.equal(wide_final, final)),
-            "h_float32": wide_h.dtype == torch.float32,
-            "h_rounds_to_stock": bool(torch.equal(wide_h.to(h.dtype), h)),
+        result["stored_states"] = {
+            "output_bitwise": bool(torch.equal(stored_o, o)),
+            "final_bitwise": bool(torch.equal(stored_final, final)),
+            "h_rounds_to_stock": bool(torch.equal(states.to(h.dtype), h[0])),
         }
     mid_index = case.get("mid_index")
     if mid_index is not None and mid_index.numel():
@@ -892,9 +893,9 @@ def compare_gdn(case: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
             and exported["final_state"]["max_rel"] <= tol["final_state"]
             and exported["output"]["max_rel"] <= tol["output"]
         )
-    if "wide_h" in out:
-        fields["wide_h"] = out["wide_h"]
-        ok = ok and all(out["wide_h"].values())
+    if "stored_states" in out:
+        fields["stored_states"] = out["stored_states"]
+        ok = ok and all(out["stored_states"].values())
     return {"ok": ok, "tolerance": tol, **fields}
 
 

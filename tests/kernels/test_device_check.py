@@ -234,7 +234,7 @@ def test_dry_run_matches_every_tiny_case_on_every_release(triton_env: Path, tmp_
         for case in release["cases"]:
             if case["kind"] in ("gdn_export", "ssd_export"):
                 assert case["positions"]["as_expected"], (version, case["name"])
-            # The patched FLA's float32 h, bit for bit as stock where it must be.
-            wide = case.get("wide_h")
+            # The patched FLA's stored float32 states, bit for bit as stock where they must be.
+            wide = case.get("stored_states")
             assert (wide is not None) == (version == kernel_check.patched_fla_key())
             assert wide is None or all(wide.values()), (version, case["name"])

@@ -6,8 +6,10 @@ where FlashInfer is not chosen), stock 0.34.0 declares no internal checkpoint,
 so the scheduler ends a chunk at every state it keeps (the split path). FLA's
 chunk kernel already holds each sequence's state before every 64-token chunk
 (``h``). With the mod the layer declares the same 64-token grid as on
-FlashInfer, keeps ``h`` in float32 for a batch that exports, picks the planned
-states from it and runs the off-grid ones as short tails, in the same pass.
+FlashInfer; for a batch that exports, FLA's chunk kernel also stores the
+planned states, in float32 from its running state, straight into the layer's
+checkpoint workspace (``h`` stays in q's dtype, as stock's: no float32 copy of
+it), and the off-grid ones run as short tails, in the same pass.
 
 Two sides, as in ``test_mamba2_fix_exports.py``:
 
@@ -17,11 +19,12 @@ Two sides, as in ``test_mamba2_fix_exports.py``:
   extras, on and off the grid;
 - under Triton's interpreter (.venv-triton): vLLM's FLA kernels, from the
   tree's files, run that plan the way the layer does
-  (``chunk_gated_delta_rule_with_chunk_states``, ``gather_chunk_states``, then
-  the tails through FLA with the plan's chunk metadata). Every export must be
-  bit for bit the final state of FLA run over the row's tokens up to it (the
+  (``chunk_gated_delta_rule_with_chunk_states`` into a workspace, then the
+  tails through FLA with the plan's chunk metadata). Every export must be bit
+  for bit the final state of FLA run over the row's tokens up to it (the float32
   state the split path stores) and near a float64 sequential recurrence; the
-  output and final states must be bit for bit stock FLA's.
+  output and final states must be bit for bit stock FLA's, and nothing the
+  call allocates may be a float32 ``h``.
 
 Not run here: the layer's forward itself (its conv and projections need
 vLLM's custom ops) and the exporter's block writes (``test_flashinfer_fix_exports.py``
@@ -135,6 +138,7 @@ def _plan(model_dir: Path, grid: int) -> dict:
     }
     if grid != GRID:
         return result
+    result["layer_calls"] = _layer_calls(md)
     # KDA on Triton (Kimi-K3 on ROCm) shares this builder with a 64-token grid and
     # no extras: it plans its own checkpoints, not these.
     from dataclasses import replace
@@ -166,6 +170,117 @@ def _plan(model_dir: Path, grid: int) -> dict:
         result["sources_literal"]["off_chunk"] = "accepted"
     except ValueError as exc:
         result["sources_literal"]["off_chunk"] = str(exc)
+    return result
+
+
+def _layer_calls(md) -> dict:
+    """The layer's FLA prefill and warm-up on a stub layer, no kernel launched:
+    what they hand FLA's chunk call and where its states go."""
+    import types
+
+    import torch
+    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn as layer
+
+    plan = md.flashinfer_checkpoint_plan
+    heads, dim = 2, 64
+    spec = ((plan.num_checkpoints + 4, heads, dim, dim), torch.float32)
+    workspace = torch.zeros(spec[0], dtype=spec[1])
+    calls: list[dict] = []
+
+    def chunk_call(**kwargs):
+        states = kwargs["chunk_states"]
+        calls.append(
+            {
+                "into_workspace": states.data_ptr() == workspace.data_ptr(),
+                "rows": states.shape[0],
+                "dtype": str(states.dtype),
+                "sources": kwargs["chunk_state_sources"].tolist(),
+                "keywords": sorted(kwargs),
+            }
+        )
+        n = kwargs["initial_state"].shape[0]
+        return torch.zeros_like(kwargs["v"]), torch.zeros(n, heads, dim, dim)
+
+    exported: list[bool] = []
+
+    def export(_md, recurrent, *args, **kwargs):
+        exported.append(recurrent.data_ptr() == workspace.data_ptr())
+
+    manager = types.SimpleNamespace(get_simultaneous=lambda *specs: (workspace,))
+    saved = (
+        layer.fla_chunk_gated_delta_rule_with_chunk_states,
+        layer.current_workspace_manager,
+        layer.fused_post_conv_prep,
+        layer.fla_tail_prefill,
+        torch.accelerator.empty_cache,
+    )
+    layer.fla_chunk_gated_delta_rule_with_chunk_states = chunk_call
+    layer.current_workspace_manager = lambda: manager
+    stub = types.SimpleNamespace(_checkpoint_buffer_spec=spec, _export_checkpoints=export)
+    cls = layer.QwenGatedDeltaNetAttention
+    tokens = int(md.prefill_query_start_loc[-1])
+    inputs = [torch.zeros(1, tokens, 1, dim)] * 2 + [torch.zeros(1, tokens, heads, dim)]
+    inputs += [torch.zeros(1, tokens, heads)] * 2
+    rows = md.prefill_query_start_loc.numel() - 1
+    caches = {"ssm_state": None, "conv_state": None, "conv_input": None}
+    result: dict = {}
+    try:
+        cls._forward_fla_prefill(stub, *inputs, md, torch.zeros(rows, heads, dim, dim), **caches)
+        result["prefill"] = calls[:]
+        result["exported_from_workspace"] = exported[:]
+        # A plan with more states than the profiled workspace is refused
+        # before any kernel writes.
+        calls.clear()
+        stub._checkpoint_buffer_spec = ((plan.num_checkpoints - 1, heads, dim, dim), torch.float32)
+        workspace = torch.zeros(plan.num_checkpoints - 1, heads, dim, dim)
+        try:
+            cls._forward_fla_prefill(
+                stub, *inputs, md, torch.zeros(rows, heads, dim, dim), **caches
+            )
+            result["short_workspace"] = "accepted"
+        except RuntimeError as exc:
+            result["short_workspace"] = f"refused: {exc}"
+        result["short_workspace_calls"] = len(calls)
+
+        # The warm-up compiles the variant a batch that exports launches.
+        calls.clear()
+        workspace = torch.zeros(spec[0], dtype=spec[1])
+        stub._checkpoint_buffer_spec = spec
+        layer.fused_post_conv_prep = lambda **kw: (
+            torch.zeros(64, 1, dim),
+            torch.zeros(64, 1, dim),
+            torch.zeros(64, heads, dim),
+            torch.zeros(64, heads),
+            torch.zeros(64, heads),
+        )
+        layer.fla_tail_prefill = lambda **kw: None
+        torch.accelerator.empty_cache = lambda: None
+        warm = types.SimpleNamespace(
+            _prefill_kernels_warmed_up=False,
+            gdn_prefill_backend="triton",
+            _exports_checkpoints=True,
+            _checkpoint_buffer_spec=spec,
+            num_k_heads=1,
+            num_v_heads=heads,
+            tp_size=1,
+            head_k_dim=dim,
+            head_v_dim=dim,
+            A_log=None,
+            dt_bias=None,
+            prefix="layer",
+            get_state_dtype=lambda: (torch.float32, torch.float32),
+            chunk_gated_delta_rule=lambda **kw: None,
+        )
+        cls._warmup_prefill_kernels(warm, torch.zeros(64, 2 * dim + heads * dim), 0)
+        result["warmup"] = calls[:]
+    finally:
+        (
+            layer.fla_chunk_gated_delta_rule_with_chunk_states,
+            layer.current_workspace_manager,
+            layer.fused_post_conv_prep,
+            layer.fla_tail_prefill,
+            torch.accelerator.empty_cache,
+        ) = saved
     return result
 
 
@@ -206,17 +321,50 @@ cu = torch.tensor(qsl, dtype=torch.int64)
 ci = torch.tensor(plan["chunk_indices"], dtype=torch.int64)
 co = torch.tensor(plan["chunk_offsets"], dtype=torch.int64)
 
-# The layer's path: FLA keeping h in float32, the planned states picked from it.
-o, final, h = chunk.chunk_gated_delta_rule_with_chunk_states(
-    q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu,
-    chunk_indices=ci, chunk_offsets=co, chunk_state_dtype=torch.float32,
-)
-emitted = chunk.gather_chunk_states(h, final, torch.tensor(plan["chunk_states"]))
-# Stock FLA on the same batch (h in the inputs' dtype).
+# The layer's path: FLA's chunk kernel storing the planned states into a
+# workspace (NaN where nothing is written), h as stock's. Every tensor the call
+# makes is recorded (a float32 h would be a 5-d float32 one), and h's dtype.
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sources = torch.tensor(plan["chunk_states"])
+workspace = torch.full((len(sources) + 2, V_HEADS, D, D), float("nan"))
+made, h_dtypes = [], []
+
+class Allocations(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                made.append((str(t.dtype), list(t.shape)))
+        return out
+
+fwd_h = chunk.chunk_gated_delta_rule_fwd_h
+def recording_fwd_h(*args, **kwargs):
+    h, v_new, final_state = fwd_h(*args, **kwargs)
+    h_dtypes.append(str(h.dtype))
+    return h, v_new, final_state
+
+chunk.chunk_gated_delta_rule_fwd_h = recording_fwd_h
+with Allocations():
+    o, final = chunk.chunk_gated_delta_rule_with_chunk_states(
+        q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu,
+        chunk_states=workspace[: len(sources)], chunk_state_sources=sources,
+        chunk_indices=ci, chunk_offsets=co,
+    )
+chunk.chunk_gated_delta_rule_fwd_h = fwd_h
+emitted = workspace[: len(sources)]
+# Stock FLA on the same batch: its output and final states, and (the kernels
+# loaded at GDN_RECOMPUTE_SUPPRESS_LEVEL 3) its h in the inputs' dtype.
 stock_o, stock_final = chunk.chunk_gated_delta_rule(
     q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
     cu_seqlens=cu, chunk_indices=ci, chunk_offsets=co,
 )
+_, _, _, _, _, stock_h, _ = chunk.chunk_gated_delta_rule_fwd(
+    q=q, k=k, v=v, g=g, beta=beta, scale=D ** -0.5, initial_state=h0,
+    output_final_state=True, cu_seqlens=cu, chunk_indices=ci, chunk_offsets=co,
+)
+on_h = sources >= 0
+finals_of = (-1 - sources[~on_h])
 # The tails, as run_flashinfer_tails runs them with fla_tail_prefill.
 t = {key: torch.tensor(val) for key, val in plan["tails"].items()}
 start = h0[t["sequences"]].to(torch.float32)
@@ -255,10 +403,26 @@ for e in plan["exports"]:
         "split_bitwise": bool(torch.equal(got, prefix_final[0].float())),
         "reference_rel": float((got.double() - ref).abs().max()) / scale,
     })
+num_chunks = stock_h.shape[1]
 json.dump({
     "exports": checks,
     "output_bitwise": bool(torch.equal(o, stock_o)),
     "final_bitwise": bool(torch.equal(final, stock_final)),
+    "h_dtypes": h_dtypes,
+    "q_dtype": str(q.dtype),
+    "float32_h_made": [
+        shape for dtype, shape in made
+        if dtype == "torch.float32" and len(shape) == 5 and shape[1] == num_chunks
+    ],
+    "float32_5d_made": [
+        shape for dtype, shape in made if dtype == "torch.float32" and len(shape) == 5
+    ],
+    # Each state on a chunk rounds to stock's h there; each at an end is the
+    # sequence's final state; the workspace past the plan is left alone.
+    "rounds_to_stock_h": bool(torch.equal(emitted[on_h].to(half), stock_h[0, sources[on_h]])),
+    "finals_bitwise": bool(torch.equal(emitted[~on_h], stock_final[finals_of])),
+    "written": bool(not emitted.isnan().any()),
+    "rest_untouched": bool(workspace[len(sources):].isnan().all()),
 }, open(out, "w"), indent=1)
 """
 
@@ -358,6 +522,31 @@ def test_chunk_state_sources_point_into_h_or_the_final_state(plan) -> None:
     assert got["chunk_states"] == (list(range(1, 10)) + list(range(11, 15)) + [16, 17])
 
 
+def test_the_layer_has_fla_store_the_states_into_the_workspace(plan) -> None:
+    """``_forward_fla_prefill`` hands FLA's chunk call the profiled workspace's
+    first ``num_checkpoints`` rows and the plan's sources (no float32 ``h``, no
+    gather after it), exports from that workspace, and refuses a plan the
+    workspace cannot hold before anything is written."""
+    calls = plan[0]["layer_calls"]
+    (call,) = calls["prefill"]
+    assert call["into_workspace"] and call["dtype"] == "torch.float32"
+    assert call["rows"] == len(plan[0]["chunk_states"])
+    assert call["sources"] == plan[0]["chunk_states"]
+    assert "chunk_state_dtype" not in call["keywords"]
+    assert calls["exported_from_workspace"] == [True]
+    assert calls["short_workspace"].startswith("refused")
+    assert calls["short_workspace_calls"] == 0
+
+
+def test_the_warm_up_compiles_the_storing_variant(plan) -> None:
+    """The profile run's warm-up launches the chunk kernel with states to store
+    (float32 rows of the workspace): the variant, and autotuner key, a batch
+    that exports launches."""
+    (call,) = plan[0]["layer_calls"]["warmup"]
+    assert call["into_workspace"] and call["dtype"] == "torch.float32"
+    assert call["rows"] == 1 and call["sources"] == [-1]
+
+
 def test_tails_carry_fla_chunk_metadata(plans) -> None:
     """FLA's chunk_indices/chunk_offsets for the tails, from the host: one chunk per
     64 tokens of each (prepare_chunk_indices/prepare_chunk_offsets' layout)."""
@@ -397,11 +586,28 @@ def test_a_plan_one_chunk_early_fails(kernels_one_chunk_early) -> None:
     assert any(c["reference_rel"] > 0.1 for c in checks)
 
 
-def test_keeping_h_wide_changes_nothing_else(kernels) -> None:
-    """FLA's output kernel reads h in q's dtype: a float32 h leaves the output and
-    the final states bit for bit as stock FLA gives them."""
+def test_storing_the_states_changes_nothing_else(kernels) -> None:
+    """The chunk kernel's extra stores leave the output and the final states bit
+    for bit as stock FLA gives them."""
     assert kernels["output_bitwise"]
     assert kernels["final_bitwise"]
+
+
+def test_a_batch_that_exports_makes_no_float32_h(kernels) -> None:
+    """h stays in q's dtype (stock's, what the profile run makes): the planned
+    states go from the kernel's float32 running state straight into the
+    workspace, whose rows past the plan it leaves alone. No 5-d float32 tensor
+    (a float32 h, [1, NT, H, V, K]) is made by the call."""
+    assert kernels["h_dtypes"] == [kernels["q_dtype"]]
+    assert kernels["float32_h_made"] == [] and kernels["float32_5d_made"] == []
+    assert kernels["written"] and kernels["rest_untouched"]
+
+
+def test_the_stored_states_are_the_kernels_float32_states(kernels) -> None:
+    """Each state stored on a chunk rounds to stock's h at that chunk (the same
+    running state, before h's cast), each at a row's end is its final state."""
+    assert kernels["rounds_to_stock_h"]
+    assert kernels["finals_bitwise"]
 
 
 if __name__ == "__main__":

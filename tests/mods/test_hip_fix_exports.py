@@ -32,6 +32,13 @@ stand-ins of the metadata builders and kernels that lay out the rows from that
 metadata, as the kernels do: every export and output is the split path's bit
 for bit, and the first round's metadata reused for every round breaks it. Not
 run here: those kernels and builders (CUTLASS's DSL and AITER need their GPUs).
+
+A step in pieces holds one state per piece, a buffer the profile run never sizes,
+so the builder caps the extra exports a batch runs in pieces as it caps
+FlashInfer's tails (``FLASHINFER_GDN_MAX_TAILS``, the same rule: vLLM's own
+states first). A batch offered 24 extras keeps 16, vLLM's among them, on every
+backend in pieces; the runner reports exactly those, and on HIP the layer hands
+the exporter exactly those, each the split path's state.
 """
 
 from __future__ import annotations
@@ -67,6 +74,26 @@ EXPORTS = {
 # Backends that take varlen metadata per round of pieces, beside HIP.
 METADATA_BACKENDS = ("cutedsl", "aiter_flydsl")
 CHUNK = 64  # FLA's chunk, CuteDSL's and AITER's K5 recurrence's
+# Every backend that runs a prefill in pieces (the CPU resolves "triton").
+PIECES_BACKENDS = ("hip", "cutedsl", "aiter_flydsl", "sycl")
+
+# More extra exports than FLASHINFER_GDN_MAX_TAILS (16) in one batch in pieces,
+# at the positions the scheduler plans (get_mamba_eagle_fix_exports: block 256,
+# hash unit 64, lookahead 1). Six cold prompts of 650 tokens: vLLM's prompt
+# checkpoint at 640 in its column (a checkpoint row, never dropped), the fix's
+# 448, 512 and 576 as extras. Two resumed chunks starting inside a block, whose
+# column cannot take the prompt checkpoint: vLLM's own states (the boundary
+# above the start, the prompt checkpoint) and one of the fix's, highest last:
+# from 700, 768 (vLLM's), 896 (the fix's), 960 (vLLM's); from 400, 512
+# (vLLM's), 576 (the fix's), 640 (vLLM's). 24 extras, 4 of them vLLM's.
+CAP = 16
+MANY = [(650, 650, True)] * 6 + [(1000, 300, True), (700, 300, True)]
+MANY_EXPORTS = {
+    **{r: [(448, 2000 + 3 * r), (512, 2001 + 3 * r), (576, 2002 + 3 * r)] for r in range(6)},
+    6: [(768, 2100), (896, 2101), (960, 2102)],
+    7: [(512, 2110), (576, 2111), (640, 2112)],
+}
+VLLM_OWN = {(6, 768), (6, 960), (7, 512), (7, 640)}
 
 
 def _on_tree(model_dir: Path, out: Path) -> None:
@@ -139,7 +166,47 @@ def _on_tree(model_dir: Path, out: Path) -> None:
         backend: _metadata_backend(layer, build(backend), common, result)
         for backend in METADATA_BACKENDS
     }
+    result["capped"] = {backend: _capped(layer, build(backend)) for backend in PIECES_BACKENDS}
     (out / "plan.json").write_text(json.dumps(result, indent=1))
+
+
+def _capped(layer, builder) -> dict:  # noqa: ANN001
+    """The MANY batch (24 extra exports) planned as pieces: the extras kept and
+    reported, the pieces' states, and, on HIP, what the layer hands the exporter
+    (each state checked against the split path) next to the runner's report."""
+    import types
+
+    import torch
+    from vllm.v1.worker.gpu.attn_utils import mamba_checkpoint_exports_written
+
+    md = builder.build(0, batch_metadata(MANY, MANY_EXPORTS, COLS))
+    plan = md.flashinfer_checkpoint_plan
+    checkpoint = md.checkpoint
+    result = {
+        "backend": builder.gdn_prefill_backend,
+        "kept": [list(pair) for pair in checkpoint.kept_extra_exports or ()],
+        "offsets": checkpoint.offsets,
+        "num_states": plan.num_checkpoints,
+        "dropped": getattr(builder, "num_dropped_tail_exports", None),
+    }
+    # The runner's report for the step, one request per row.
+    req_ids = [f"r{r}" for r in range(len(MANY))]
+    planned = {req_ids[r]: {0: pairs} for r, pairs in MANY_EXPORTS.items()}
+    groups = [[types.SimpleNamespace(layer_names=["layer"])]]
+    written = mamba_checkpoint_exports_written(planned, req_ids, {"layer": md}, groups)
+    result["reported"] = sorted([req_ids.index(q), p] for q, ps in written.items() for p in ps)
+    if builder.gdn_prefill_backend == "hip":
+        exports = export_rows(plan.export_query_starts, plan.exports, plan.rows)
+        run = _run(layer, md, exports, torch.float32, via_layer=True)
+        extra_blocks = {block for pairs in MANY_EXPORTS.values() for _, block in pairs}
+        result["run"] = run
+        # (row, position) of every extra state the exporter was handed.
+        result["handed"] = sorted(
+            [c["sequence"], MANY[c["sequence"]][0] - MANY[c["sequence"]][1] + c["offset"]]
+            for c in run["exports"]
+            if c["block"] in extra_blocks
+        )
+    return result
 
 
 def _pieces_layout(pieces) -> dict:  # noqa: ANN001
@@ -670,6 +737,43 @@ def test_stale_round_metadata_fails(plan, backend: str) -> None:  # noqa: ANN001
             "aiter_flydsl": "IndexError: the layout's 706 tokens run past the batch's",
         }[backend]
     )
+
+
+@pytest.mark.parametrize("backend", PIECES_BACKENDS)
+def test_the_pieces_plan_at_most_the_cap_of_extra_exports(plan, backend: str) -> None:  # noqa: ANN001
+    """24 extra exports offered in one batch in pieces: the builder keeps 16
+    (FLASHINFER_GDN_MAX_TAILS, as FlashInfer's tails), vLLM's own states first
+    (the boundaries above mid-block starts, then each row's highest: the prompt
+    checkpoints its column cannot take), then the rest in row order; vLLM's
+    prompt checkpoints in their columns (640) stay checkpoint rows. So the step
+    holds R + P + 16 piece states (8 rows, 6 checkpoint rows), not 38."""
+    got = plan["capped"][backend]
+    assert got["backend"] == backend
+    assert len(got["kept"]) <= CAP, got["kept"]
+    assert VLLM_OWN.issubset(tuple(pair) for pair in got["kept"])
+    assert got["kept"] == [
+        *[[r, p] for r in range(3) for p in (448, 512, 576)],
+        *[[r, 576] for r in range(3, 6)],
+        *[[6, 768], [6, 960], [7, 512], [7, 640]],
+    ]
+    assert got["offsets"] == [640] * 6 + [0, 0]
+    assert got["dropped"] == 24 - CAP
+    assert got["num_states"] == len(MANY) + 6 + CAP
+
+
+@pytest.mark.parametrize("backend", PIECES_BACKENDS)
+def test_extra_exports_past_the_cap_are_not_reported(plan, backend: str) -> None:  # noqa: ANN001
+    """The runner reports written exactly the extras the builder kept (the others
+    are neither export rows nor reported, so the scheduler never keys their
+    blocks), and on HIP exactly those the layer hands the exporter, each the
+    split path's state bit for bit."""
+    got = plan["capped"][backend]
+    assert got["reported"] == sorted(got["kept"])
+    if backend == "hip":
+        assert got["handed"] == got["reported"]
+        assert len(got["run"]["exports"]) == 6 + CAP  # checkpoint rows and extras
+        assert all(check["split_bitwise"] for check in got["run"]["exports"])
+        assert got["run"]["output_split_bitwise"] and got["run"]["finals_split_bitwise"]
 
 
 @pytest.mark.parametrize("mutant", ["unchained", "shifted"])
