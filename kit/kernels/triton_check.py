@@ -658,9 +658,16 @@ def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[
     store = getattr(chunk, "chunk_gated_delta_rule_with_chunk_states", None)
     if store is not None:
         # Files with fix-eagle-fine-prefix-exports: the same forward also storing
-        # every chunk's float32 state (the in-pass exports' source) must leave the
-        # output and final states bit for bit, and each state must round to h.
-        states = torch.empty(h.shape[1], *h.shape[2:], dtype=torch.float32, device=device)
+        # float32 states (the in-pass exports' source) must leave the output and
+        # final states bit for bit, each chunk state must round to h and each
+        # final one equal the final state. Every other chunk (the kernel's skip
+        # branch taken too), then every sequence's end (the store after its loop).
+        num_chunks, num_seqs = h.shape[1], final.shape[0]
+        chunks = torch.arange(0, num_chunks, 2)
+        sources = torch.cat([chunks, -1 - torch.arange(num_seqs)]).to(device)
+        states = torch.full(
+            (sources.numel(), *h.shape[2:]), float("nan"), dtype=torch.float32, device=device
+        )
         stored_o, stored_final = store(
             q=q,
             k=k,
@@ -670,12 +677,14 @@ def run_gdn(chunk: types.ModuleType, case: dict[str, Any], device: str) -> dict[
             initial_state=case["initial_state_vk"].to(device).contiguous(),
             cu_seqlens=case["cu_seqlens"].to(device),
             chunk_states=states,
-            chunk_state_sources=torch.arange(h.shape[1], device=device),
+            chunk_state_sources=sources,
         )
+        picked = states[: chunks.numel()]
         result["stored_states"] = {
             "output_bitwise": bool(torch.equal(stored_o, o)),
             "final_bitwise": bool(torch.equal(stored_final, final)),
-            "h_rounds_to_stock": bool(torch.equal(states.to(h.dtype), h[0])),
+            "h_rounds_to_stock": bool(torch.equal(picked.to(h.dtype), h[0, chunks.to(device)])),
+            "finals_stored": bool(torch.equal(states[chunks.numel() :], final.float())),
         }
     mid_index = case.get("mid_index")
     if mid_index is not None and mid_index.numel():

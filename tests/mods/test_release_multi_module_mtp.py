@@ -3,8 +3,9 @@
 ``fix-mtp-prefill-lookahead-progress`` keeps a chunk that ends fewer than k tokens
 before the prefill end. tests/regression/test_multi_module_mtp.py checks on the
 pinned tree that this changes only prompts the unmodified rule never finished;
-here the same check runs where vLLM hashes with lookahead tokens
-(``KIT_TREE=0.34.0/unpatched``; both stages carry the mod).
+here the same check runs on the newest release, which hashes with lookahead
+tokens by default (tests/bench/test_hash_lookahead.py;
+``KIT_TREE=0.34.0/unpatched``; both stages carry the mod).
 """
 
 from __future__ import annotations

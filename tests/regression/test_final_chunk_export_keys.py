@@ -188,6 +188,14 @@ MAMBA_DROPS = "num_hash_lookahead_tokens" not in harness.VllmConfig.__dataclass_
 UNGUARDED = "the fall-through keys the running block at its export's position"
 
 
+def _only_the_known_wrong_key(wrong: list) -> None:
+    """The expected failures below fail on this wrong key alone: the running block
+    (the state after 146 tokens) keyed at 144; anything else is a real failure
+    (``pytest.fail``, which the marks do not take for the expected one)."""
+    if wrong not in ([], [(146, 144, 146)]):
+        pytest.fail(f"a wrong key other than the known one: {wrong}")
+
+
 @pytest.mark.xfail(MAMBA_DROPS, strict=True, raises=AssertionError, reason=UNGUARDED)
 @pytest.mark.parametrize("retention", [0, DENSE], ids=["retention-0", "dense"])
 def test_a_unit_below_the_tail_keys_no_later_state(tiny_multi_mtp_dir, retention) -> None:
@@ -200,7 +208,9 @@ def test_a_unit_below_the_tail_keys_no_later_state(tiny_multi_mtp_dir, retention
     watch = _watch(tiny_multi_mtp_dir, "internal-1", 8192, retention, unit=2)
     record = watch.run(CONTEXT[:146])
     exports, count = watch.final[record.request_id]
-    assert exports and count == (146 - K + 1 if MAMBA_DROPS else 146)
+    if not (exports and count == (146 - K + 1 if MAMBA_DROPS else 146)):
+        pytest.fail(f"not the case under test: exports {exports}, count {count}")
+    _only_the_known_wrong_key(watch.wrong)
     assert watch.wrong == []
 
 
@@ -222,5 +232,7 @@ def test_a_count_without_the_tail_keys_no_later_state(tiny_multi_mtp_dir, monkey
         lambda n, group: max(0, whole(n, group) - tail),
     )
     record = watch.run(CONTEXT[:146])
-    assert watch.final[record.request_id] == ([144], 144)
+    if watch.final[record.request_id] != ([144], 144):
+        pytest.fail(f"not the case under test: {watch.final[record.request_id]}")
+    _only_the_known_wrong_key(watch.wrong)
     assert watch.wrong == []

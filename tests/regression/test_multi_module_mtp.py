@@ -234,7 +234,9 @@ def _chunk_ends_or_none(model_dir, length: int) -> list[int] | None:
     rig = SchedulerRig(model_dir, Geometry(64, 16, 3))
     try:
         record = rig.run(_prompt(length))
-    except RuntimeError:
+    except RuntimeError as exc:
+        if "did not finish" not in str(exc):
+            raise
         return None
     return rig.chunk_ends[record.request_id]
 
@@ -250,9 +252,10 @@ def test_the_kept_chunk_changes_only_prompts_that_hung(
     """What the trailing MTP modules see changes only where vLLM never finished.
 
     The mod relaxes the rule that keeps k known prompt tokens after a chunk for
-    the trailing modules. Over 80 prompt lengths on the real scheduler, with and
-    without the mod: wherever the unmodified rule finishes, the chunks are the same;
-    a chunk ends fewer than k tokens before the end exactly where it hung, 1 or 2
+    the trailing modules. Over 80 prompt lengths, each scheduled alone on the
+    real scheduler, with and without the mod: wherever the unmodified rule
+    finishes, the chunks are the same; a chunk ends fewer than k tokens before
+    the end exactly where it hung, 1 or 2
     tokens past a block boundary at the server's settings (every 64) and past a
     hash boundary without the EAGLE block drop (every 16)."""
     from vllm.v1.core.sched.scheduler import Scheduler

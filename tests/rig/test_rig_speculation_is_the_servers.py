@@ -65,20 +65,27 @@ def _servers_config(model_dir: Path, num_spec: int):
     return EngineArgs.from_cli_args(parsed).create_engine_config()
 
 
-@pytest.mark.parametrize("num_spec", [1, 3])
-def test_the_rig_resolves_the_servers_speculation(tiny_model_dir: Path, num_spec: int) -> None:
-    server = _servers_config(tiny_model_dir, num_spec)
+@pytest.mark.parametrize(
+    ("model", "num_spec"),
+    [("tiny_model_dir", 1), ("tiny_model_dir", 3), ("tiny_multi_mtp_dir", 3)],
+    ids=["mtp-k1", "mtp-k3", "three-mtp-modules-k3"],
+)
+def test_the_rig_resolves_the_servers_speculation(
+    request: pytest.FixtureRequest, model: str, num_spec: int
+) -> None:
+    model_dir = request.getfixturevalue(model)
+    server = _servers_config(model_dir, num_spec)
     retention = server.cache_config.prefix_cache_retention_interval
-    rig = SchedulerRig(tiny_model_dir, Geometry(2048, 16, num_spec), retention=retention)
+    rig = SchedulerRig(model_dir, Geometry(2048, 16, num_spec), retention=retention)
     ours = rig.vllm_config
     theirs, mine = server.speculative_config, ours.speculative_config
     assert type(mine) is type(theirs)
     for field in SPECULATION_FIELDS:
         assert getattr(mine, field, None) == getattr(theirs, field, None), field
     assert mine.use_eagle() == theirs.use_eagle()
-    assert getattr(ours, "num_hash_lookahead_tokens", 0) == getattr(
-        server, "num_hash_lookahead_tokens", 0
-    )
+    # What the config resolves from them, where the release has it.
+    for resolved in ("num_hash_lookahead_tokens", "num_prefill_lookahead_tokens"):
+        assert getattr(ours, resolved, None) == getattr(server, resolved, None), resolved
     for field in ("prefix_match_unit", "mamba_cache_mode", "prefix_cache_retention_interval"):
         assert getattr(ours.cache_config, field) == getattr(server.cache_config, field), field
     # The scheduler vLLM builds from the rig's config takes the drafter's lookahead.
