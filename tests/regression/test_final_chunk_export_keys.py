@@ -31,13 +31,12 @@ tail (the feared case), and H = 2 <= k - 1 where the Mamba manager drops (the
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 import kit.rig.sched_harness as harness
 from kit.geometry.geometry_model import Geometry
 from kit.rig.sched_harness import DENSE, MAMBA_GROUP, SchedulerRig
+from tests.regression.test_multi_module_mtp import _without_block_drop
 
 pytestmark = [pytest.mark.cpu, pytest.mark.tree]
 
@@ -66,16 +65,6 @@ CASES = {
     "internal-grid": ("internal-grid", 8192, (CONTEXT[:194],), (CONTEXT[:210],)),
     "budget-128": ("internal-1", 128, (CONTEXT[:242],), (CONTEXT[:242],)),
 }
-
-
-def _without_block_drop(monkeypatch) -> None:
-    from vllm.config import SpeculativeConfig
-
-    monkeypatch.setattr(
-        harness,
-        "SpeculativeConfig",
-        functools.partial(SpeculativeConfig, disable_eagle_block_drop=True),
-    )
 
 
 class KeyWatch:
